@@ -1,0 +1,168 @@
+"""StackConfig -> Ray Serve config, and the ``import_path`` targets that config names.
+
+:func:`build_serve_config` is the single place where a stack config becomes Serve applications:
+``serving up`` deploys its output to the local Ray cluster, and ``serving render-k8s`` writes the
+very same dict into the RayService ``serveConfigV2``, so local and Kubernetes cannot drift.
+
+Layout: one application ``gateway`` (route ``/``) plus one application per model version, named
+``<model>--<version>`` (no HTTP route; reached only through the gateway). The gateway's routing
+table is its Serve ``user_config``: changing weights or adding a version is applied in place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from serving.config import ModelConfig, ModelVersion, StackConfig
+from serving.models.engine import EngineSpec
+from serving.models.routers import ROUTER_CLASSES
+
+__all__ = ["app_name", "build_serve_config", "gateway_app", "model_app", "routing_user_config"]
+
+GATEWAY_APP = "gateway"
+
+
+def app_name(model: str, version: str) -> str:
+    return f"{model}--{version}".replace(".", "-").replace("_", "-").lower()
+
+
+def routing_user_config(cfg: StackConfig) -> dict[str, Any]:
+    """The gateway's ``user_config``: everything it routes on, nothing secret."""
+    return {
+        "default_model": cfg.gateway.default_model,
+        "models": [
+            {
+                "name": m.name,
+                "aliases": list(m.aliases),
+                "max_model_len": m.engine.max_model_len,
+                "router": m.deployment.router,
+                "cold_start_timeout_s": m.deployment.cold_start_timeout_s,
+                "versions": [
+                    {"version": v.version, "weight": v.weight, "app": app_name(m.name, v.version)}
+                    for v in m.versions
+                ],
+            }
+            for m in cfg.models
+        ],
+    }
+
+
+def _placement(m: ModelConfig) -> dict[str, Any]:
+    d = m.deployment
+    world = m.engine.tensor_parallel_size * m.engine.pipeline_parallel_size
+    bundle: dict[str, float] = {"CPU": d.cpus_per_rank}
+    if d.gpus_per_rank:
+        bundle["GPU"] = d.gpus_per_rank
+    return {
+        # The replica actor itself sits in bundle 0 and uses that rank's resources.
+        "ray_actor_options": {"num_cpus": d.cpus_per_rank, "num_gpus": d.gpus_per_rank},
+        "placement_group_bundles": [dict(bundle) for _ in range(world)],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+
+
+def _model_deployment(m: ModelConfig, name: str) -> dict[str, Any]:
+    d = m.deployment
+    out: dict[str, Any] = {
+        "name": name,
+        "max_ongoing_requests": d.max_ongoing_requests,
+        "max_queued_requests": d.max_queued_requests,
+        "health_check_period_s": 2,
+        "health_check_timeout_s": 10,
+        "graceful_shutdown_wait_loop_s": 1,
+        "graceful_shutdown_timeout_s": 60,
+        **_placement(m),
+    }
+    if d.autoscaling is not None:
+        a = d.autoscaling
+        out["autoscaling_config"] = {
+            "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "initial_replicas": a.initial_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+            "metrics_interval_s": a.metrics_interval_s,
+            "look_back_period_s": a.look_back_period_s,
+        }
+    else:
+        out["num_replicas"] = d.num_replicas
+    router = ROUTER_CLASSES[d.router]
+    if router:
+        out["request_router_config"] = {"request_router_class": router}
+    return out
+
+
+def _model_application(cfg: StackConfig, m: ModelConfig, v: ModelVersion, base: Path | None) -> dict[str, Any]:
+    name = app_name(m.name, v.version)
+    spec = EngineSpec(
+        model=m.name,
+        version=v.version,
+        path=cfg.version_path(m, v, base),
+        engine=m.engine,
+        use_gpu=m.deployment.gpus_per_rank > 0,
+        startup_timeout_s=m.deployment.startup_timeout_s,
+    )
+    return {
+        "name": name,
+        "route_prefix": None,
+        "import_path": "serving.app:model_app",
+        "args": {"name": name, "spec": spec.model_dump(mode="json")},
+        "deployments": [_model_deployment(m, name)],
+    }
+
+
+def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, Any]:
+    """The complete Serve config (the ``serve deploy`` schema) for a stack config.
+
+    ``base`` resolves relative checkpoint paths (the config file's folder); on Kubernetes the
+    checkpoint root is absolute or a URI, and ``base`` is None.
+    """
+    g = cfg.gateway
+    gateway = {
+        "name": GATEWAY_APP,
+        "route_prefix": "/",
+        "import_path": "serving.app:gateway_app",
+        "args": {
+            "settings": {
+                "max_body_bytes": g.max_body_bytes,
+                "retries": g.retries,
+                "upstream_timeout_s": g.upstream_timeout_s,
+            }
+        },
+        "deployments": [
+            {
+                "name": "Gateway",
+                "num_replicas": g.num_replicas,
+                "max_ongoing_requests": 1000,
+                "ray_actor_options": {"num_cpus": g.num_cpus},
+                "user_config": routing_user_config(cfg),
+                "graceful_shutdown_timeout_s": 60,
+            }
+        ],
+    }
+    apps = [gateway] + [_model_application(cfg, m, v, base) for m in cfg.models for v in m.versions]
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": g.host, "port": g.port, "keep_alive_timeout_s": 60},
+        "applications": apps,
+    }
+
+
+def gateway_app(args: dict[str, Any]) -> Any:
+    """Serve application builder (``import_path: serving.app:gateway_app``)."""
+    from ray import serve
+
+    from serving.gateway.deployment import Gateway
+
+    return serve.deployment(Gateway, name="Gateway").bind(args["settings"])
+
+
+def model_app(args: dict[str, Any]) -> Any:
+    """Serve application builder for one model version (``serving.app:model_app``)."""
+    from ray import serve
+
+    from serving.models.server import ModelServer
+
+    return serve.deployment(ModelServer, name=args["name"]).bind(args["spec"])

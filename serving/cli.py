@@ -1,0 +1,114 @@
+"""``serving`` command line: up, down, status, render.
+
+Every command reads the same stack config file (``--config``, default ``deployments/local.yaml``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+import yaml
+from rich.console import Console
+
+from serving.app import build_serve_config
+from serving.config import ConfigError, StackConfig, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+console = Console(stderr=True)
+
+DEFAULT_CONFIG = Path("deployments/local.yaml")
+ConfigOpt = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="Stack config YAML.")
+
+# Environment for the local Ray head and everything it starts (Serve replicas, vLLM engines).
+LOCAL_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def _load(path: Path) -> StackConfig:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        console.print(str(exc), style="red", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def up(config: Path = ConfigOpt, timeout: float = typer.Option(900, help="Seconds to wait.")) -> None:
+    """Build missing models, start a local Ray head and the stack, print the base URL."""
+    from serving.stack import up as stack_up
+
+    cfg = _load(config)
+    try:
+        state = stack_up(cfg, config.resolve().parent, LOCAL_ENV, timeout, log=console.print)
+    except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
+        console.print(f"serving up failed: {exc}", style="red", markup=False)
+        console.print(f"Stop what started with: serving down -c {config}", markup=False)
+        raise typer.Exit(1) from None
+    model = cfg.models[0].name
+    console.print(f"[green]stack {cfg.name!r} is up[/green]")
+    print(f"{state.base_url}/v1")
+    console.print(
+        f"try:\n  curl -N {state.base_url}/v1/chat/completions -H 'content-type: application/json' "
+        f"""-d '{{"model": "{model}", "messages": [{{"role": "user", "content": "37+45="}}], """
+        f""""max_tokens": 8, "stream": true}}'"""
+    )
+
+
+@app.command()
+def down(config: Path = ConfigOpt) -> None:
+    """Stop the stack and the local Ray head that ``up`` started."""
+    from serving.stack import stop_stack
+
+    cfg = _load(config)
+    if not stop_stack(cfg.name, log=console.print):
+        console.print(f"no running stack {cfg.name!r}")
+
+
+@app.command()
+def status(config: Path = ConfigOpt) -> None:
+    """Show the Serve applications of the running local stack."""
+    from serving.stack import StackState, serve_status
+
+    cfg = _load(config)
+    state = StackState.load(cfg.name)
+    if state is None:
+        console.print(f"no running stack {cfg.name!r}")
+        raise typer.Exit(1)
+    apps = serve_status(state).get("applications", {})
+    for name, a in sorted(apps.items()):
+        deps = {d: (v.get("status"), len(v.get("replicas", []))) for d, v in a.get("deployments", {}).items()}
+        print(f"{name:32} {a.get('status'):14} {deps}")
+
+
+@app.command()
+def render(config: Path = ConfigOpt, output: Path | None = typer.Option(None, "-o")) -> None:
+    """Print the Serve config (the ``serve deploy`` schema) this stack config produces."""
+    cfg = _load(config)
+    text = yaml.safe_dump(build_serve_config(cfg, config.resolve().parent), sort_keys=False)
+    if output:
+        output.write_text(text)
+    else:
+        sys.stdout.write(text)
+
+
+@app.command("validate")
+def validate(config: Path = ConfigOpt) -> None:
+    """Validate a stack config file and print it normalised."""
+    cfg = _load(config)
+    print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

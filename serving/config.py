@@ -1,0 +1,260 @@
+"""The stack config: one YAML file per environment, validated here, used everywhere.
+
+One config, one path: ``deployments/<env>.yaml`` -> :class:`StackConfig` -> the Serve config
+(:mod:`serving.app`) that runs locally *and* is rendered into the RayService ``serveConfigV2``.
+Every model rejects unknown fields, so a typo fails loudly with the file and field named.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "AutoscalingConfig",
+    "ConfigError",
+    "DeploymentOptions",
+    "EngineConfig",
+    "GatewayConfig",
+    "LocalRayConfig",
+    "ModelConfig",
+    "ModelVersion",
+    "StackConfig",
+    "TrainRecipe",
+    "load_config",
+]
+
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
+VERSION_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,30}$")
+
+
+class ConfigError(ValueError):
+    """A stack config file is missing, not YAML, or fails validation (message names file and field)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    """vLLM engine arguments for one model. Known fields are typed; the rest go in ``extra_args``."""
+
+    max_model_len: int = Field(256, ge=8, description="Context length (prompt + completion tokens).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_num_seqs: int = Field(64, ge=1, description="Sequences batched at once per replica.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(1, ge=1, le=64)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    kv_cache_space_gib: int = Field(
+        1, ge=1, description="CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU only.")
+    extra_args: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="Further vLLM CLI flags, e.g. {enforce-eager: true}; booleans become bare flags.",
+    )
+
+
+class AutoscalingConfig(_Strict):
+    """Ray Serve autoscaling for one model's deployment; defaults that really scale."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(
+        8, gt=0, description="Concurrent requests per replica the autoscaler aims for."
+    )
+    upscale_delay_s: float = Field(10, ge=0)
+    downscale_delay_s: float = Field(60, ge=0)
+    metrics_interval_s: float = Field(2, gt=0)
+    look_back_period_s: float = Field(10, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        init = self.initial_replicas
+        if init is not None and not self.min_replicas <= init <= self.max_replicas:
+            raise ValueError("initial_replicas must lie between min_replicas and max_replicas")
+        return self
+
+
+RouterName = Literal["power_of_two", "prefix_affinity", "session_affinity"]
+
+
+class DeploymentOptions(_Strict):
+    """How a model's replicas are run by Ray Serve."""
+
+    num_replicas: int = Field(1, ge=1, description="Fixed replica count (ignored if autoscaling).")
+    autoscaling: AutoscalingConfig | None = None
+    max_ongoing_requests: int = Field(64, ge=1, description="Requests leased to one replica at once.")
+    max_queued_requests: int = Field(
+        256, ge=1, description="Requests waiting per gateway for a replica; beyond that: 429."
+    )
+    router: RouterName = "power_of_two"
+    cpus_per_rank: float = Field(1.0, gt=0, description="CPU reserved per TP/PP rank.")
+    gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per rank (0 = CPU engine).")
+    startup_timeout_s: float = Field(600, gt=0, description="Engine start before the replica fails.")
+    cold_start_timeout_s: float = Field(
+        120, gt=0, description="How long a request waits for a replica of a scaled-to-zero model."
+    )
+
+
+class TrainRecipe(_Strict):
+    """How ``serving up`` builds a missing version locally with the training job (no model hub)."""
+
+    task: Literal["add", "sub"]
+    size: Literal["tiny", "small"] = "tiny"
+    steps: int | None = Field(None, ge=1, description="Default: the job's default for the size.")
+    seed: int = 0
+
+
+class ModelVersion(_Strict):
+    """One servable version of a model: its weights and its share of the model's traffic."""
+
+    version: str
+    path: str | None = Field(
+        None, description="Checkpoint directory; default <checkpoint_root>/<model>/<version>."
+    )
+    weight: int = Field(100, ge=0, le=100, description="Percent of the bare model name's traffic.")
+    recipe: TrainRecipe | None = Field(None, description="Train this version if it is missing.")
+
+    @field_validator("version")
+    @classmethod
+    def _version_name(cls, v: str) -> str:
+        if not VERSION_RE.match(v):
+            raise ValueError("version must be 1-31 chars of letters, digits, '.', '_' or '-'")
+        return v
+
+
+class ModelConfig(_Strict):
+    """One model: its versions (one Serve deployment each), aliases, engine and deployment options."""
+
+    name: str
+    aliases: list[str] = Field(default_factory=list)
+    versions: list[ModelVersion] = Field(min_length=1)
+    engine: EngineConfig = EngineConfig()
+    deployment: DeploymentOptions = DeploymentOptions()
+
+    @field_validator("name")
+    @classmethod
+    def _model_name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("name must be 1-40 chars of lower-case letters, digits and '-'")
+        return v
+
+    @model_validator(mode="after")
+    def _weights(self) -> ModelConfig:
+        names = [v.version for v in self.versions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate version in {names}")
+        if sum(v.weight for v in self.versions) != 100:
+            raise ValueError("the weights of a model's versions must add up to 100")
+        return self
+
+    @property
+    def live_version(self) -> str:
+        """The version with the largest share of traffic (first on ties)."""
+        return max(self.versions, key=lambda v: v.weight).version
+
+
+class GatewayConfig(_Strict):
+    """The OpenAI-compatible ingress."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.5, gt=0)
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
+    retries: int = Field(2, ge=0, le=10, description="Retries on another replica before first byte.")
+    upstream_timeout_s: float = Field(600, gt=0)
+    default_model: str | None = Field(None, description="Model used when a request names none.")
+
+
+class LocalRayConfig(_Strict):
+    """The local Ray head that ``serving up`` starts (loopback only). Not used on Kubernetes."""
+
+    gcs_port: int = Field(6379, ge=1024, le=65535)
+    dashboard_port: int = Field(8265, ge=1024, le=65535)
+    num_cpus: int = Field(
+        8, ge=1, description="Logical CPUs Ray may schedule (more than cores: see ENVIRONMENT.md)."
+    )
+
+
+class StackConfig(_Strict):
+    """A whole environment: gateway plus models."""
+
+    name: str = "local"
+    checkpoint_root: str = Field("checkpoints", description="Local path or fsspec URI.")
+    gateway: GatewayConfig = GatewayConfig()
+    local_ray: LocalRayConfig = LocalRayConfig()
+    models: list[ModelConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> StackConfig:
+        seen: dict[str, str] = {}
+        for m in self.models:
+            for n in [m.name, *m.aliases]:
+                if n in seen:
+                    raise ValueError(f"name {n!r} used twice (by {seen[n]!r} and {m.name!r})")
+                seen[n] = m.name
+        if self.gateway.default_model and self.gateway.default_model not in seen:
+            raise ValueError(f"gateway.default_model {self.gateway.default_model!r} is no model")
+        return self
+
+    def model(self, name: str) -> ModelConfig:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def version_path(self, model: ModelConfig, version: ModelVersion, base: Path | None) -> str:
+        """Where a version's weights live; relative paths are taken from the config file's folder."""
+        raw = version.path or f"{self.checkpoint_root.rstrip('/')}/{model.name}/{version.version}"
+        if "://" in raw or base is None or Path(raw).is_absolute():
+            return raw
+        return str((base / raw).resolve())
+
+
+def _where(loc: tuple[int | str, ...], data: object) -> str:
+    """Turn a pydantic location into ``models[adder].engine.dtype`` using model names."""
+    parts: list[str] = []
+    node = data
+    for item in loc:
+        if isinstance(item, int) and isinstance(node, list):
+            entry = node[item] if item < len(node) else None
+            label = entry.get("name") or entry.get("version") if isinstance(entry, dict) else None
+            parts[-1] += f"[{label or item}]"
+            node = entry
+        else:
+            parts.append(str(item))
+            node = node.get(item) if isinstance(node, dict) else None
+    return ".".join(parts) or "(top level)"
+
+
+def parse_config(data: object, source: str = "<config>") -> StackConfig:
+    """Validate already-loaded YAML data; errors name the source and each failing field."""
+    try:
+        return StackConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"{source}: invalid stack config:"]
+        for err in exc.errors():
+            lines.append(f"  {_where(err['loc'], data)}: {err['msg']}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: str | Path) -> StackConfig:
+    """Read and validate a stack config file."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such config file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    return parse_config(data, str(p))

@@ -1,0 +1,144 @@
+"""The OpenAI-compatible HTTP surface: thin routes over :class:`GatewayCore`.
+
+``create_api(core)`` returns a plain FastAPI app, so tests can drive it in-process through
+``httpx.ASGITransport``; the Serve deployment (:mod:`serving.gateway.deployment`) serves the same app.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving.errors import (
+    BodyTooLarge,
+    GatewayError,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    to_response,
+)
+from serving.gateway.core import GatewayCore
+from serving.protocol import Kind, parse_request
+
+logger = logging.getLogger("serving.gateway")
+
+__all__ = ["create_api"]
+
+_JSON = "application/json"
+
+
+def _request_id(request: Request) -> str:
+    rid = request.headers.get("x-request-id", "")
+    if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
+        return rid
+    return uuid.uuid4().hex
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error(exc: BaseException, rid: str) -> Response:
+    resp = to_response(exc, rid)
+    if resp.status >= 500:
+        logger.error("[%s] %s: %s", rid, type(exc).__name__, exc)
+    return Response(resp.body, resp.status, {**resp.headers, "x-request-id": rid}, media_type=_JSON)
+
+
+def create_api(core: GatewayCore) -> FastAPI:
+    app = FastAPI(title="raystack-llm gateway", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_exc(request: Request, exc: StarletteHTTPException) -> Response:
+        rid = _request_id(request)
+        if exc.status_code == 405:
+            return _error(MethodNotAllowed(f"Method {request.method} is not allowed here."), rid)
+        if exc.status_code == 404:
+            return _error(NotFound(f"Unknown path {request.url.path}."), rid)
+        return _error(InvalidRequest(str(exc.detail)), rid)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return _error(InvalidRequest(str(exc.errors()[:1])), _request_id(request))
+
+    async def _generate(request: Request, kind: Kind, path: str) -> Response:
+        rid = _request_id(request)
+        started = time.monotonic()
+        try:
+            raw = await _read_body(request, core.settings.max_body_bytes)
+            parsed = parse_request(raw, kind)
+            resolved = core.routes.resolve(parsed.model)
+            result = await core.complete(
+                parsed, resolved, path, rid, session_id=request.headers.get("x-session-id")
+            )
+        except GatewayError as exc:
+            return _error(exc, rid)
+        except Exception as exc:  # never a stack trace to the client
+            logger.exception("[%s] unexpected error", rid)
+            return _error(exc, rid)
+        headers = {
+            "x-request-id": rid,
+            "x-model-version": resolved.version.version,
+        }
+        logger.info("[%s] %s %s@%s via %s attempts=%d %.1fms", rid, kind, resolved.model.name,
+                    resolved.version.version, result.replica, result.attempts,
+                    (time.monotonic() - started) * 1000)  # fmt: skip
+        if result.stream is not None:
+            headers["cache-control"] = "no-cache"
+            return StreamingResponse(result.stream, 200, headers, media_type="text/event-stream")
+        return Response(result.body, result.status, headers, media_type=_JSON)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _generate(request, "chat", "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, "completion", "/v1/completions")
+
+    def _model_card(model_id: str, root: str, created: int, max_len: int) -> dict[str, object]:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "raystack",
+                "root": root, "max_model_len": max_len}  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, object]:
+        data = [_model_card(i, m.name, m.created, m.max_model_len) for i, m in core.routes.model_ids()]
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        for i, m in core.routes.model_ids():
+            if i == model_id:
+                card = _model_card(i, m.name, m.created, m.max_model_len)
+                return Response(msgspec.json.encode(card), media_type=_JSON)
+        return _error(NotFound(f"The model '{model_id}' does not exist.", param="model",
+                               code="model_not_found"), _request_id(request))  # fmt: skip
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        ok = await core.ready()
+        body = b'{"status":"ready"}' if ok else b'{"status":"not ready"}'
+        return Response(body, 200 if ok else 503, media_type=_JSON)
+
+    return app

@@ -1,0 +1,91 @@
+"""The gateway as a Ray Serve ingress deployment, and leases through Serve deployment handles."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from serving.gateway.api import create_api
+from serving.gateway.core import GatewayCore, GatewaySettings, unavailable
+from serving.gateway.proxy import ReplicaGone
+from serving.models.server import Endpoint, LeaseHint
+
+logger = logging.getLogger("serving.gateway")
+
+__all__ = ["Gateway", "ServeLeases"]
+
+
+class _ServeLease:
+    __slots__ = ("_gen", "replica", "token", "url")
+
+    def __init__(self, gen: DeploymentResponseGenerator, endpoint: Endpoint) -> None:
+        self._gen = gen
+        self.url = endpoint.url
+        self.token = endpoint.token
+        self.replica = endpoint.replica
+
+    def release(self) -> None:
+        self._gen.cancel()
+
+
+class ServeLeases:
+    """Leases model replicas through Serve handles (one per model-version application)."""
+
+    def __init__(self) -> None:
+        self._handles: dict[str, DeploymentHandle] = {}
+
+    def _handle(self, app: str) -> DeploymentHandle:
+        h = self._handles.get(app)
+        if h is None:
+            h = serve.get_deployment_handle(app, app_name=app).options(stream=True)
+            self._handles[app] = h
+        return h
+
+    async def lease(self, app: str, hint: LeaseHint, timeout_s: float) -> _ServeLease:
+        gen = self._handle(app).lease.remote(hint)
+        try:
+            endpoint = await asyncio.wait_for(gen.__anext__(), timeout_s)
+        except BackPressureError:
+            gen.cancel()
+            raise unavailable(f"Model '{app}' is at capacity; retry shortly.", 1) from None
+        except TimeoutError:
+            gen.cancel()
+            raise unavailable(f"No replica of '{app}' became available in {timeout_s:.0f}s.", 5) from None
+        except (ActorDiedError, ActorUnavailableError, RayActorError, StopAsyncIteration) as exc:
+            gen.cancel()
+            raise ReplicaGone(f"replica unavailable: {type(exc).__name__}") from None
+        except DeploymentUnavailableError:
+            gen.cancel()
+            raise unavailable(f"Model '{app}' is not deployed right now.", 5) from None
+        except RuntimeError as exc:  # the replica refused (engine process down)
+            gen.cancel()
+            raise ReplicaGone(f"replica refused lease: {exc}") from None
+        return _ServeLease(gen, endpoint)
+
+    async def ready(self, app: str, timeout_s: float) -> bool:
+        try:
+            h = serve.get_deployment_handle(app, app_name=app)
+            return bool(await asyncio.wait_for(h.ready.remote(), timeout_s))
+        except Exception:
+            return False
+
+
+@serve.ingress()
+class Gateway:
+    """Ingress deployment. ``settings`` are init args; the routing table is the ``user_config``
+    so promotions and weight changes are applied in place (``reconfigure``), with no restart."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.core = GatewayCore(GatewaySettings(**settings), ServeLeases())
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        self.core.update_routes(user_config)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_api(self.core)

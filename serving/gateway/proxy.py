@@ -1,0 +1,181 @@
+"""Forwarding: lease a replica through Ray Serve, stream its HTTP bytes back, fail over.
+
+Per request there is one Ray call (the lease) and one HTTP exchange with the replica's vLLM
+server; tokens never travel through Ray. A failure before the first byte reaches the client
+(connection refused, engine dead, replica gone) releases the lease and retries on another replica;
+after the first byte, the stream ends with an SSE error event, never a silent cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+
+from serving.errors import UpstreamError, sse_error_event
+from serving.protocol import normalize_upstream_error
+
+logger = logging.getLogger("serving.gateway")
+
+__all__ = ["Lease", "Leaser", "ReplicaGone", "UpstreamResult", "forward"]
+
+RETRYABLE = (httpx.TransportError,)
+
+
+class Lease(Protocol):
+    url: str
+    token: str
+    replica: str
+
+    def release(self) -> None: ...
+
+
+Leaser = Callable[[], Awaitable[Lease]]
+
+
+@dataclass
+class UpstreamResult:
+    """What the route renders: a full body or a byte stream, plus the status and headers."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes | None = None
+    stream: AsyncIterator[bytes] | None = None
+    replica: str = ""
+    attempts: int = 1
+
+
+class _RetryableFailure(Exception):
+    pass
+
+
+class ReplicaGone(_RetryableFailure):
+    """Raised by a leaser when the leased replica died before answering; the request is retried."""
+
+
+async def _open(
+    client: httpx.AsyncClient, lease: Lease, path: str, body: bytes, request_id: str, stream: bool
+) -> tuple[httpx.Response, bytes | None]:
+    """Send the request; for streams also read the first chunk so a replica that dies before
+    its first byte can still be retried."""
+    req = client.build_request(
+        "POST",
+        lease.url + path,
+        content=body,
+        headers={
+            "authorization": f"Bearer {lease.token}",
+            "content-type": "application/json",
+            "x-request-id": request_id,
+        },
+    )
+    try:
+        resp = await client.send(req, stream=True)
+    except RETRYABLE as exc:
+        raise _RetryableFailure(f"{type(exc).__name__}: {exc}") from exc
+    if resp.status_code >= 500:
+        await resp.aclose()
+        raise _RetryableFailure(f"replica answered {resp.status_code}")
+    if resp.status_code >= 400 or not stream:
+        try:
+            data = await resp.aread()
+        except RETRYABLE as exc:
+            raise _RetryableFailure(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            await resp.aclose()
+        return resp, data
+    return resp, None
+
+
+async def _first_chunk(resp: httpx.Response, chunks: AsyncIterator[bytes]) -> bytes:
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        return b""
+    except RETRYABLE as exc:
+        await resp.aclose()
+        raise _RetryableFailure(f"{type(exc).__name__}: {exc}") from exc
+
+
+async def _relay(
+    first: bytes,
+    chunks: AsyncIterator[bytes],
+    resp: httpx.Response,
+    lease: Lease,
+    request_id: str,
+    on_done: Callable[[bool], None],
+) -> AsyncIterator[bytes]:
+    ok = False
+    try:
+        if first:
+            yield first
+        async for chunk in chunks:
+            yield chunk
+        ok = True
+    except RETRYABLE as exc:
+        logger.warning("[%s] stream from %s broke: %s", request_id, lease.replica, type(exc).__name__)
+        yield sse_error_event(
+            UpstreamError("The model replica failed while streaming; the response is incomplete."),
+            request_id,
+        )
+    finally:
+        await resp.aclose()
+        lease.release()
+        on_done(ok)
+
+
+async def forward(
+    *,
+    client: httpx.AsyncClient,
+    leaser: Leaser,
+    path: str,
+    body: bytes,
+    stream: bool,
+    request_id: str,
+    retries: int,
+    on_done: Callable[[bool], None] = lambda ok: None,
+) -> UpstreamResult:
+    """Run one request against the model tier with failover before the first byte."""
+    last: str = "no attempt"
+    for attempt in range(1, retries + 2):
+        try:
+            lease = await leaser()
+        except ReplicaGone as exc:
+            last = str(exc)
+            logger.warning("[%s] lease attempt %d failed: %s", request_id, attempt, last)
+            await asyncio.sleep(min(0.2 * attempt, 1.0))
+            continue
+        try:
+            resp, data = await _open(client, lease, path, body, request_id, stream)
+            headers = {"content-type": resp.headers.get("content-type", "application/json")}
+            if data is not None:
+                lease.release()
+                if resp.status_code >= 400:
+                    on_done(False)
+                    return UpstreamResult(
+                        resp.status_code, headers, normalize_upstream_error(resp.status_code, data),
+                        replica=lease.replica, attempts=attempt,
+                    )  # fmt: skip
+                on_done(True)
+                return UpstreamResult(200, headers, data, replica=lease.replica, attempts=attempt)
+            chunks = resp.aiter_raw()
+            first = await _first_chunk(resp, chunks)
+        except _RetryableFailure as exc:
+            lease.release()
+            last = str(exc)
+            logger.warning("[%s] attempt %d on %s failed: %s", request_id, attempt, lease.replica, last)
+            await asyncio.sleep(min(0.2 * attempt, 1.0))
+            continue
+        except BaseException:
+            lease.release()
+            raise
+        return UpstreamResult(
+            200, headers, stream=_relay(first, chunks, resp, lease, request_id, on_done),
+            replica=lease.replica, attempts=attempt,
+        )  # fmt: skip
+    on_done(False)
+    raise UpstreamError(f"No model replica could serve the request after {retries + 1} attempts.")
+

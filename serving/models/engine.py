@@ -1,0 +1,93 @@
+"""Engine options: the stack config's model section -> vLLM server command line and environment.
+
+Pure functions, no Ray or vLLM import, so they are unit-tested and reused by the renderer.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict
+
+from serving.config import EngineConfig
+
+__all__ = ["EngineSpec", "cpu_bind_groups", "vllm_command", "vllm_env"]
+
+
+class EngineSpec(BaseModel):
+    """Everything a replica needs to start its engine; JSON-able so it travels in a Serve config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    version: str
+    path: str
+    engine: EngineConfig
+    use_gpu: bool = False
+    startup_timeout_s: float = 600
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def vllm_command(spec: EngineSpec, host: str, port: int, token: str) -> list[str]:
+    """Arguments after ``python`` that start vLLM's OpenAI server for this spec."""
+    e = spec.engine
+    args = [
+        "-m", "vllm.entrypoints.openai.api_server",
+        "--model", spec.path,
+        "--served-model-name", spec.model,
+        "--host", host,
+        "--port", str(port),
+        "--api-key", token,
+        "--max-model-len", str(e.max_model_len),
+        "--dtype", e.dtype,
+        "--max-num-seqs", str(e.max_num_seqs),
+        "--tensor-parallel-size", str(e.tensor_parallel_size),
+        "--pipeline-parallel-size", str(e.pipeline_parallel_size),
+        "--seed", str(e.seed),
+        "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--disable-uvicorn-access-log",
+        "--uvicorn-log-level", "warning",
+        "--disable-fastapi-docs",
+    ]  # fmt: skip
+    if spec.use_gpu:
+        args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
+    for key, value in e.extra_args.items():
+        if value is True:
+            args.append(_flag(key))
+        elif value is False:
+            args.append("--no-" + key.replace("_", "-"))
+        else:
+            args += [_flag(key), str(value)]
+    return args
+
+
+def cpu_bind_groups(world_size: int, cpus: list[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``world_size`` CPU ranks: the cores split into groups,
+    ranks separated by ``|`` (e.g. ``0|1`` for two ranks on two cores)."""
+    if world_size <= 1:
+        return ""
+    if len(cpus) < world_size:
+        raise ValueError(f"{world_size} CPU ranks need at least {world_size} cores, have {len(cpus)}")
+    size = len(cpus) // world_size
+    groups = [cpus[i * size : (i + 1) * size] for i in range(world_size)]
+    return "|".join(",".join(str(c) for c in g) if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def vllm_env(spec: EngineSpec) -> dict[str, str]:
+    """Environment for the engine process: offline, no prompt logging, CPU cache and binding."""
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    if not spec.use_gpu:
+        e = spec.engine
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(e.kv_cache_space_gib)
+        world = e.tensor_parallel_size * e.pipeline_parallel_size
+        if world > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(world, sorted(os.sched_getaffinity(0)))
+    return env

@@ -1,0 +1,204 @@
+"""Local stack lifecycle: build missing models, start a local Ray head, deploy, wait, stop.
+
+The local Ray head is started as ``ray start --head --block`` in its own process group, bound to
+127.0.0.1 (dashboard and job API included), and its pid is written to ``.run/<stack>.json`` so
+``serving down`` stops exactly what ``serving up`` started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from serving.app import build_serve_config
+from serving.config import LocalRayConfig, StackConfig
+
+__all__ = [
+    "StackState", "deploy", "ensure_models", "serve_status", "start_ray", "stop_stack", "up",
+    "wait_http", "wait_running",
+]  # fmt: skip
+
+RUN_DIR = Path(os.environ.get("SERVING_RUN_DIR", ".run"))
+
+
+@dataclass
+class StackState:
+    name: str
+    ray_pid: int
+    gcs_port: int
+    dashboard_port: int
+    temp_dir: str
+    base_url: str
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def save(self) -> Path:
+        RUN_DIR.mkdir(parents=True, exist_ok=True)
+        path = RUN_DIR / f"{self.name}.json"
+        path.write_text(json.dumps(asdict(self), indent=2))
+        return path
+
+    @classmethod
+    def load(cls, name: str) -> StackState | None:
+        path = RUN_DIR / f"{name}.json"
+        return cls(**json.loads(path.read_text())) if path.exists() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
+    """Train every version that is missing locally and has a recipe; fail clearly otherwise."""
+    for m in cfg.models:
+        for v in m.versions:
+            path = cfg.version_path(m, v, base)
+            if "://" in path or (Path(path) / "config.json").exists():
+                continue
+            if v.recipe is None:
+                raise FileNotFoundError(f"{m.name}@{v.version}: no checkpoint at {path} and no recipe")
+            log(f"building {m.name}@{v.version} ({v.recipe.task}, {v.recipe.size}) with the training job...")
+            from training.train import train
+
+            root = str(Path(path).parent.parent)
+            train(model=m.name, version=v.version, task=v.recipe.task, root=root,
+                  size=v.recipe.size, steps=v.recipe.steps, seed=v.recipe.seed)  # fmt: skip
+
+
+def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str) -> StackState:
+    """Start (or reuse) this stack's local Ray head."""
+    state = StackState.load(name)
+    if state and _alive(state.ray_pid):
+        return state
+    temp_dir = f"/tmp/raystack-{name}"
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    cmd = [
+        ray_bin, "start", "--head", "--block",
+        "--node-ip-address", "127.0.0.1",
+        "--port", str(ray.gcs_port),
+        "--num-cpus", str(ray.num_cpus),
+        "--dashboard-host", "127.0.0.1",
+        "--dashboard-port", str(ray.dashboard_port),
+        "--temp-dir", temp_dir,
+        "--disable-usage-stats",
+    ]  # fmt: skip
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    log = open(RUN_DIR / f"{name}-ray.log", "ab")
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=log, start_new_session=True)
+    state = StackState(name, proc.pid, ray.gcs_port, ray.dashboard_port, temp_dir, base_url)
+    state.save()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}; see {RUN_DIR}/{name}-ray.log")
+        try:
+            if httpx.get(f"{state.dashboard}/api/version", timeout=2).status_code == 200:
+                return state
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError("the local Ray head did not come up in 120 s")
+
+
+def deploy(state: StackState, serve_config: dict[str, Any]) -> None:
+    """Apply a Serve config declaratively (what ``serve deploy`` and KubeRay do)."""
+    resp = httpx.put(f"{state.dashboard}/api/serve/applications/", json=serve_config, timeout=60)
+    if resp.status_code >= 400:
+        raise RuntimeError(f"Serve rejected the config ({resp.status_code}): {resp.text[:2000]}")
+
+
+def serve_status(state: StackState) -> dict[str, Any]:
+    resp = httpx.get(f"{state.dashboard}/api/serve/applications/", timeout=10)
+    resp.raise_for_status()
+    return dict(resp.json())
+
+
+def wait_running(state: StackState, apps: list[str], timeout_s: float, log: Any = print) -> None:
+    """Wait until every named Serve application is RUNNING; fail fast on DEPLOY_FAILED."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        details = serve_status(state).get("applications", {})
+        statuses = {a: details.get(a, {}).get("status", "MISSING") for a in apps}
+        line = ", ".join(f"{a}={s}" for a, s in sorted(statuses.items()))
+        if line != last:
+            log(f"  {line}")
+            last = line
+        failed = [a for a, s in statuses.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")]
+        if failed:
+            msg = details[failed[0]].get("message", "")
+            raise RuntimeError(f"application {failed[0]} failed: {msg[:2000]}")
+        if all(s == "RUNNING" for s in statuses.values()):
+            return
+        time.sleep(2)
+    raise TimeoutError(f"applications not RUNNING after {timeout_s:.0f}s: {last}")
+
+
+def wait_http(base_url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/ready", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{base_url}/ready did not answer 200 in {timeout_s:.0f}s")
+
+
+def stop_stack(name: str, log: Any = print) -> bool:
+    """Delete the Serve apps, then stop the Ray head's process group. True if anything ran."""
+    state = StackState.load(name)
+    if state is None:
+        return False
+    if _alive(state.ray_pid):
+        try:
+            httpx.delete(f"{state.dashboard}/api/serve/applications/", timeout=60)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and serve_status(state).get("applications"):
+                time.sleep(1)
+        except httpx.HTTPError:
+            pass
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(state.ray_pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _alive(state.ray_pid):
+                time.sleep(0.5)
+    (RUN_DIR / f"{name}.json").unlink(missing_ok=True)
+    shutil.rmtree(state.temp_dir, ignore_errors=True)
+    log(f"stopped stack {name!r} (ray head pid {state.ray_pid})")
+    return True
+
+
+def up(cfg: StackConfig, base: Path, env: dict[str, str], timeout_s: float, log: Any = print) -> StackState:
+    ensure_models(cfg, base, log)
+    base_url = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
+    state = start_ray(cfg.name, cfg.local_ray, env, base_url)
+    log(f"ray head up (pid {state.ray_pid}, dashboard {state.dashboard}, loopback only)")
+    serve_config = build_serve_config(cfg, base)
+    deploy(state, serve_config)
+    wait_running(state, [a["name"] for a in serve_config["applications"]], timeout_s, log)
+    wait_http(base_url)
+    return state
+
