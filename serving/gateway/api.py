@@ -55,15 +55,16 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _error(exc: BaseException, rid: str) -> Response:
-    resp = to_response(exc, rid)
-    if resp.status >= 500:
-        logger.error("[%s] %s: %s", rid, type(exc).__name__, exc)
-    return Response(resp.body, resp.status, {**resp.headers, "x-request-id": rid}, media_type=_JSON)
-
-
 def create_api(core: GatewayCore) -> FastAPI:
     app = FastAPI(title="raystack-llm gateway", docs_url=None, redoc_url=None)
+    rid_header = core.settings.set_request_id_header
+
+    def _error(exc: BaseException, rid: str) -> Response:
+        resp = to_response(exc, rid)
+        if resp.status >= 500:
+            logger.error("[%s] %s: %s", rid, type(exc).__name__, exc)
+        headers = {**resp.headers, "x-request-id": rid} if rid_header else resp.headers
+        return Response(resp.body, resp.status, headers, media_type=_JSON)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_exc(request: Request, exc: StarletteHTTPException) -> Response:
@@ -93,10 +94,9 @@ def create_api(core: GatewayCore) -> FastAPI:
         except Exception as exc:  # never a stack trace to the client
             logger.exception("[%s] unexpected error", rid)
             return _error(exc, rid)
-        headers = {
-            "x-request-id": rid,
-            "x-model-version": resolved.version.version,
-        }
+        headers = {"x-model-version": resolved.version.version}
+        if rid_header:
+            headers["x-request-id"] = rid
         logger.info("[%s] %s %s@%s via %s attempts=%d %.1fms", rid, kind, resolved.model.name,
                     resolved.version.version, result.replica, result.attempts,
                     (time.monotonic() - started) * 1000)  # fmt: skip

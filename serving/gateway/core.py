@@ -32,6 +32,8 @@ class GatewaySettings:
     retries: int = 2
     upstream_timeout_s: float = 600.0
     max_connections: int = 1024
+    # Ray Serve's proxy already echoes x-request-id on responses; plain ASGI use needs it added.
+    set_request_id_header: bool = True
 
 
 class LeaseProvider(Protocol):

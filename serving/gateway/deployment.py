@@ -82,6 +82,7 @@ class Gateway:
     so promotions and weight changes are applied in place (``reconfigure``), with no restart."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
+        settings = {**settings, "set_request_id_header": False}  # Serve's proxy sets it
         self.core = GatewayCore(GatewaySettings(**settings), ServeLeases())
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:

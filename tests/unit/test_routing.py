@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from serving.errors import NotFound
+from serving.gateway.routing import RoutingTable
+from serving.models.engine import EngineSpec, cpu_bind_groups, vllm_command, vllm_env
+from serving.models.routers import pick_by_session
+from serving.config import EngineConfig
+
+TABLE = {
+    "default_model": "adder",
+    "models": [
+        {"name": "adder", "aliases": ["stable"], "max_model_len": 64,
+         "versions": [{"version": "v1", "weight": 90, "app": "adder--v1"},
+                      {"version": "v2", "weight": 10, "app": "adder--v2"}]},
+        {"name": "sub", "max_model_len": 64, "versions": [{"version": "v1", "weight": 100, "app": "sub--v1"}]},
+    ],
+}  # fmt: skip
+
+
+def test_resolve_names_aliases_versions_and_default() -> None:
+    t = RoutingTable.from_user_config(TABLE)
+    assert t.resolve("adder@v2").version.app == "adder--v2"
+    assert t.resolve("adder@v2").explicit_version
+    assert t.resolve("stable").model.name == "adder"
+    assert t.resolve(None).model.name == "adder"
+    assert t.resolve("sub").version.version == "v1"
+    for bad in ("nope", "adder@v3", "sub@"):
+        if bad == "sub@":
+            assert t.resolve(bad).model.name == "sub"
+            continue
+        with pytest.raises(NotFound):
+            t.resolve(bad)
+
+
+def test_weights_split_traffic() -> None:
+    t = RoutingTable.from_user_config(TABLE)
+    rng = random.Random(0)
+    counts = Counter(t.resolve("adder", rng).version.version for _ in range(5000))
+    assert 0.07 < counts["v2"] / 5000 < 0.13
+
+
+def test_zero_weight_version_gets_no_bare_traffic() -> None:
+    cfg = {**TABLE, "models": [{**TABLE["models"][0], "versions": [
+        {"version": "v1", "weight": 100, "app": "a1"}, {"version": "v2", "weight": 0, "app": "a2"}]}]}
+    t = RoutingTable.from_user_config(cfg)
+    assert {t.resolve("adder").version.version for _ in range(200)} == {"v1"}
+    assert t.resolve("adder@v2").version.app == "a2"
+
+
+def test_session_hashing_is_stable_and_spreads() -> None:
+    reps = ["r1", "r2", "r3"]
+    assert pick_by_session("s-1", reps) == pick_by_session("s-1", list(reversed(reps)))
+    assert len({pick_by_session(f"s-{i}", reps) for i in range(60)}) == 3
+    # removing a replica moves only the sessions that were on it
+    moved = [i for i in range(200) if pick_by_session(f"s-{i}", reps) != "r3"
+             and pick_by_session(f"s-{i}", reps) != pick_by_session(f"s-{i}", reps[:2])]
+    assert moved == []
+
+
+def test_engine_command_and_env() -> None:
+    spec = EngineSpec(model="adder", version="v1", path="/ck/adder/v1",
+                      engine=EngineConfig(max_model_len=64, tensor_parallel_size=2,
+                                          extra_args={"enforce-eager": True, "block_size": 16}))  # fmt: skip
+    cmd = vllm_command(spec, "127.0.0.1", 9000, "tok")
+    assert cmd[:2] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--served-model-name") + 1] == "adder"
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    assert "--enforce-eager" in cmd and cmd[cmd.index("--block-size") + 1] == "16"
+    assert "--enable-log-requests" not in cmd
+    env = vllm_env(spec)
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" in env
+    assert cpu_bind_groups(2, [0, 1]) == "0|1"
+    assert cpu_bind_groups(2, [0, 1, 2, 3]) == "0,1|2,3"
+    with pytest.raises(ValueError):
+        cpu_bind_groups(4, [0, 1])
