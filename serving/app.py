@@ -27,10 +27,19 @@ def app_name(model: str, version: str) -> str:
     return f"{model}--{version}".replace(".", "-").replace("_", "-").lower()
 
 
+def _shed_at(m: ModelConfig) -> int:
+    """In-flight requests (per gateway replica) above which low-priority tenants are shed: half
+    of what the model's replicas can hold at most (running plus queued)."""
+    d = m.deployment
+    replicas = d.autoscaling.max_replicas if d.autoscaling else d.num_replicas
+    return max(1, (replicas * d.max_ongoing_requests + d.max_queued_requests) // 2)
+
+
 def routing_user_config(cfg: StackConfig) -> dict[str, Any]:
-    """The gateway's ``user_config``: everything it routes on, nothing secret."""
+    """The gateway's ``user_config``: routes and tenants (key hashes and env-var names, never keys)."""
     return {
         "default_model": cfg.gateway.default_model,
+        "auth": cfg.auth.model_dump(mode="json"),
         "models": [
             {
                 "name": m.name,
@@ -38,6 +47,8 @@ def routing_user_config(cfg: StackConfig) -> dict[str, Any]:
                 "max_model_len": m.engine.max_model_len,
                 "router": m.deployment.router,
                 "cold_start_timeout_s": m.deployment.cold_start_timeout_s,
+                "scale_to_zero": bool(m.deployment.autoscaling and m.deployment.autoscaling.min_replicas == 0),
+                "shed_low_priority_at": _shed_at(m),
                 "versions": [
                     {"version": v.version, "weight": v.weight, "app": app_name(m.name, v.version)}
                     for v in m.versions
@@ -102,6 +113,7 @@ def _model_application(cfg: StackConfig, m: ModelConfig, v: ModelVersion, base: 
         path=cfg.version_path(m, v, base),
         engine=m.engine,
         use_gpu=m.deployment.gpus_per_rank > 0,
+        gpus_per_rank=m.deployment.gpus_per_rank,
         startup_timeout_s=m.deployment.startup_timeout_s,
     )
     return {
@@ -129,6 +141,7 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
                 "max_body_bytes": g.max_body_bytes,
                 "retries": g.retries,
                 "upstream_timeout_s": g.upstream_timeout_s,
+                "expose_replica_header": g.expose_replica_header,
             }
         },
         "deployments": [

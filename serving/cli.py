@@ -99,6 +99,25 @@ def render(config: Path = ConfigOpt, output: Path | None = typer.Option(None, "-
         sys.stdout.write(text)
 
 
+@app.command("render-k8s")
+def render_k8s(
+    env: str | None = typer.Option(None, "--env", help="Only this overlay (default: all)."),
+    check: bool = typer.Option(False, "--check", help="Exit 1 if a generated file is stale."),
+) -> None:
+    """Render serveConfigV2 of deployments/<env>.yaml into k8s/overlays/<env>/serve-config.yaml."""
+    from serving.k8s import K8sError, stale_k8s, write_k8s
+
+    try:
+        paths = stale_k8s(Path("."), env) if check else write_k8s(Path("."), env)
+    except (K8sError, ConfigError) as exc:
+        console.print(str(exc), style="red", markup=False)
+        raise typer.Exit(2) from None
+    for p in paths:
+        print(p)
+    if check and paths:
+        raise typer.Exit(1)
+
+
 @app.command("validate")
 def validate(config: Path = ConfigOpt) -> None:
     """Validate a stack config file and print it normalised."""

@@ -15,6 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
+    "AuthConfig",
+    "TenantConfig",
     "AutoscalingConfig",
     "ConfigError",
     "DeploymentOptions",
@@ -174,6 +176,64 @@ class GatewayConfig(_Strict):
     retries: int = Field(2, ge=0, le=10, description="Retries on another replica before first byte.")
     upstream_timeout_s: float = Field(600, gt=0)
     default_model: str | None = Field(None, description="Model used when a request names none.")
+    expose_replica_header: bool = Field(
+        False, description="Add x-replica (the serving replica) to responses; for debugging."
+    )
+
+
+class TenantConfig(_Strict):
+    """A client team: its API keys (never in plain text here), models, limits and priority."""
+
+    name: str
+    key_hashes: list[str] = Field(
+        default_factory=list, description="Salted hashes from `serving keys new` (sha256$salt$hex)."
+    )
+    key_env: str | None = Field(
+        None, description="Environment variable holding the tenant's key (e.g. from a K8s Secret)."
+    )
+    models: list[str] = Field(default_factory=lambda: ["*"], description="Allowed models; * = all.")
+    rpm: int | None = Field(None, ge=1, description="Requests per window (None = unlimited).")
+    tpm: int | None = Field(None, ge=1, description="Prompt + completion tokens per window.")
+    priority: int = Field(5, ge=0, le=9, description="Below 5: shed first when a model is busy.")
+
+    @field_validator("name")
+    @classmethod
+    def _tenant_name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("name must be 1-40 chars of lower-case letters, digits and '-'")
+        return v
+
+    @field_validator("key_hashes")
+    @classmethod
+    def _hash_format(cls, v: list[str]) -> list[str]:
+        for h in v:
+            parts = h.split("$")
+            if len(parts) != 3 or parts[0] != "sha256" or len(parts[2]) != 64:
+                raise ValueError("key_hashes entries look like sha256$<salt>$<64 hex> (serving keys new)")
+        return v
+
+    @model_validator(mode="after")
+    def _has_key(self) -> TenantConfig:
+        if not self.key_hashes and not self.key_env:
+            raise ValueError("a tenant needs key_hashes or key_env")
+        return self
+
+
+class AuthConfig(_Strict):
+    """API keys and quotas. ``mode: open`` (no keys) is for local development only, and loud."""
+
+    mode: Literal["keys", "open"] = "keys"
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    window_s: float = Field(60, gt=0, description="Rate-limit window (RPM/TPM are per window).")
+
+    @model_validator(mode="after")
+    def _tenants(self) -> AuthConfig:
+        if self.mode == "keys" and not self.tenants:
+            raise ValueError("mode 'keys' needs at least one tenant (or set mode: open)")
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate tenant name in {names}")
+        return self
 
 
 class LocalRayConfig(_Strict):
@@ -192,6 +252,7 @@ class StackConfig(_Strict):
     name: str = "local"
     checkpoint_root: str = Field("checkpoints", description="Local path or fsspec URI.")
     gateway: GatewayConfig = GatewayConfig()
+    auth: AuthConfig = Field(description="Required: keys and tenants, or an explicit `mode: open`.")
     local_ray: LocalRayConfig = LocalRayConfig()
     models: list[ModelConfig] = Field(min_length=1)
 
@@ -205,6 +266,10 @@ class StackConfig(_Strict):
                 seen[n] = m.name
         if self.gateway.default_model and self.gateway.default_model not in seen:
             raise ValueError(f"gateway.default_model {self.gateway.default_model!r} is no model")
+        for t in self.auth.tenants:
+            unknown = [m for m in t.models if m != "*" and seen.get(m) != m]
+            if unknown:
+                raise ValueError(f"tenant {t.name!r} allows unknown models {unknown}")
         return self
 
     def model(self, name: str) -> ModelConfig:

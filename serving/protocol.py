@@ -15,7 +15,7 @@ import msgspec
 
 from serving.errors import InvalidRequest, error_body
 
-__all__ = ["ParsedRequest", "normalize_upstream_error", "parse_request"]
+__all__ = ["ParsedRequest", "StreamTap", "normalize_upstream_error", "parse_request", "usage_of"]
 
 Kind = Literal["chat", "completion"]
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -45,11 +45,70 @@ class ParsedRequest:
                 break
         return "".join(parts)[:limit]
 
-    def with_model(self, name: str) -> bytes:
-        """The body to forward, with ``model`` set to the engine's served name."""
-        if self.body.get("model") == name:
+    def upstream_body(self, name: str) -> bytes:
+        """The body to forward: ``model`` set to the engine's served name and, for streams, usage
+        always requested (the gateway needs it for quotas and metrics; :class:`StreamTap` strips
+        it again if the client did not ask). Unchanged bodies are forwarded as the same bytes."""
+        force_usage = self.stream and not self.include_usage
+        if self.body.get("model") == name and not force_usage:
             return self.raw
-        return msgspec.json.encode({**self.body, "model": name})
+        body = {**self.body, "model": name}
+        if force_usage:
+            body["stream_options"] = {**(self.body.get("stream_options") or {}), "include_usage": True}
+        return msgspec.json.encode(body)
+
+
+class StreamTap:
+    """Event-aligned pass-through of an SSE byte stream that picks out the usage event.
+
+    Bytes are released at event boundaries (``\n\n``) only; events are parsed only when they
+    carry ``"usage":{`` (the final usage chunk), so per-token cost is a couple of byte searches.
+    """
+
+    __slots__ = ("_buf", "strip_usage", "usage")
+
+    def __init__(self, strip_usage: bool) -> None:
+        self._buf = b""
+        self.strip_usage = strip_usage
+        self.usage: dict[str, Any] | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._buf + chunk if self._buf else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._buf = data
+            return b""
+        out, self._buf = data[: cut + 2], data[cut + 2 :]
+        return self._take_usage(out) if b'"usage":{' in out else out
+
+    def flush(self) -> bytes:
+        out, self._buf = self._buf, b""
+        return out
+
+    def _take_usage(self, out: bytes) -> bytes:
+        kept: list[bytes] = []
+        for ev in out.split(b"\n\n"):
+            if ev.startswith(b"data: {") and b'"usage":{' in ev:
+                try:
+                    obj = msgspec.json.decode(ev[6:])
+                except msgspec.DecodeError:
+                    kept.append(ev)
+                    continue
+                if isinstance(obj.get("usage"), dict):
+                    self.usage = obj["usage"]
+                if self.strip_usage and not obj.get("choices"):
+                    continue
+            kept.append(ev)
+        return b"\n\n".join(kept)
+
+
+def usage_of(body: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a non-streamed response body, if any."""
+    try:
+        u = msgspec.json.decode(body).get("usage")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return u if isinstance(u, dict) else None
 
 
 def _type_name(v: object) -> str:

@@ -1,14 +1,16 @@
 """Local stack lifecycle: build missing models, start a local Ray head, deploy, wait, stop.
 
-The local Ray head is started as ``ray start --head --block`` in its own process group, bound to
-127.0.0.1 (dashboard and job API included), and its pid is written to ``.run/<stack>.json`` so
-``serving down`` stops exactly what ``serving up`` started.
+The local Ray head is started as ``ray start --head --block`` in its own process group, with its
+dashboard and job API on 127.0.0.1 only and Ray's token authentication on (``RAY_AUTH_MODE=token``,
+a fresh random token per stack in ``.run/<stack>.token``, mode 0600). Its pid is written to
+``.run/<stack>.json`` so ``serving down`` stops exactly what ``serving up`` started.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -43,6 +45,16 @@ class StackState:
     @property
     def dashboard(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @property
+    def token_path(self) -> Path:
+        return (RUN_DIR / f"{self.name}.token").resolve()
+
+    def auth(self) -> dict[str, str]:
+        """Header for the dashboard / job API (Ray token authentication)."""
+        if not self.token_path.exists():
+            return {}
+        return {"authorization": f"Bearer {self.token_path.read_text().strip()}"}
 
     def save(self) -> Path:
         RUN_DIR.mkdir(parents=True, exist_ok=True)
@@ -101,8 +113,13 @@ def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str
         "--disable-usage-stats",
     ]  # fmt: skip
     RUN_DIR.mkdir(parents=True, exist_ok=True)
+    token_path = (RUN_DIR / f"{name}.token").resolve()
+    token_path.touch(mode=0o600)
+    token_path.write_text(secrets.token_hex(32))
+    auth_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
     log = open(RUN_DIR / f"{name}-ray.log", "ab")
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=log, start_new_session=True)
+    proc = subprocess.Popen(cmd, env={**os.environ, **env, **auth_env}, stdout=log, stderr=log,
+                            start_new_session=True)  # fmt: skip
     state = StackState(name, proc.pid, ray.gcs_port, ray.dashboard_port, temp_dir, base_url)
     state.save()
     deadline = time.monotonic() + 120
@@ -110,7 +127,7 @@ def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str
         if proc.poll() is not None:
             raise RuntimeError(f"ray start exited with {proc.returncode}; see {RUN_DIR}/{name}-ray.log")
         try:
-            if httpx.get(f"{state.dashboard}/api/version", timeout=2).status_code == 200:
+            if httpx.get(f"{state.dashboard}/api/version", headers=state.auth(), timeout=2).status_code == 200:
                 return state
         except httpx.HTTPError:
             pass
@@ -120,13 +137,14 @@ def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str
 
 def deploy(state: StackState, serve_config: dict[str, Any]) -> None:
     """Apply a Serve config declaratively (what ``serve deploy`` and KubeRay do)."""
-    resp = httpx.put(f"{state.dashboard}/api/serve/applications/", json=serve_config, timeout=60)
+    resp = httpx.put(f"{state.dashboard}/api/serve/applications/", json=serve_config,
+                     headers=state.auth(), timeout=60)  # fmt: skip
     if resp.status_code >= 400:
         raise RuntimeError(f"Serve rejected the config ({resp.status_code}): {resp.text[:2000]}")
 
 
 def serve_status(state: StackState) -> dict[str, Any]:
-    resp = httpx.get(f"{state.dashboard}/api/serve/applications/", timeout=10)
+    resp = httpx.get(f"{state.dashboard}/api/serve/applications/", headers=state.auth(), timeout=30)
     resp.raise_for_status()
     return dict(resp.json())
 
@@ -136,7 +154,11 @@ def wait_running(state: StackState, apps: list[str], timeout_s: float, log: Any 
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
-        details = serve_status(state).get("applications", {})
+        try:
+            details = serve_status(state).get("applications", {})
+        except httpx.HTTPError:  # a busy dashboard on 2 cores can be slow to answer
+            time.sleep(2)
+            continue
         statuses = {a: details.get(a, {}).get("status", "MISSING") for a in apps}
         line = ", ".join(f"{a}={s}" for a, s in sorted(statuses.items()))
         if line != last:
@@ -171,7 +193,7 @@ def stop_stack(name: str, log: Any = print) -> bool:
         return False
     if _alive(state.ray_pid):
         try:
-            httpx.delete(f"{state.dashboard}/api/serve/applications/", timeout=60)
+            httpx.delete(f"{state.dashboard}/api/serve/applications/", headers=state.auth(), timeout=60)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and serve_status(state).get("applications"):
                 time.sleep(1)
@@ -186,6 +208,7 @@ def stop_stack(name: str, log: Any = print) -> bool:
             while time.monotonic() < deadline and _alive(state.ray_pid):
                 time.sleep(0.5)
     (RUN_DIR / f"{name}.json").unlink(missing_ok=True)
+    state.token_path.unlink(missing_ok=True)
     shutil.rmtree(state.temp_dir, ignore_errors=True)
     log(f"stopped stack {name!r} (ray head pid {state.ray_pid})")
     return True

@@ -63,7 +63,9 @@ def create_api(core: GatewayCore) -> FastAPI:
         resp = to_response(exc, rid)
         if resp.status >= 500:
             logger.error("[%s] %s: %s", rid, type(exc).__name__, exc)
-        headers = {**resp.headers, "x-request-id": rid} if rid_header else resp.headers
+        headers = {**resp.headers, "x-request-id": rid} if rid_header else dict(resp.headers)
+        if core.settings.expose_replica_header:
+            headers["x-gateway-replica"] = core.settings.replica_id
         return Response(resp.body, resp.status, headers, media_type=_JSON)
 
     @app.exception_handler(StarletteHTTPException)
@@ -83,23 +85,26 @@ def create_api(core: GatewayCore) -> FastAPI:
         rid = _request_id(request)
         started = time.monotonic()
         try:
+            tenant = core.auth.authenticate(request.headers.get("authorization"))
             raw = await _read_body(request, core.settings.max_body_bytes)
             parsed = parse_request(raw, kind)
-            resolved = core.routes.resolve(parsed.model)
-            result = await core.complete(
-                parsed, resolved, path, rid, session_id=request.headers.get("x-session-id")
-            )
+            resolved = core.authorize(tenant, parsed.model)
+            result, extra = await core.complete(parsed, resolved, tenant, path, rid,
+                                                session_id=request.headers.get("x-session-id"))  # fmt: skip
         except GatewayError as exc:
             return _error(exc, rid)
         except Exception as exc:  # never a stack trace to the client
             logger.exception("[%s] unexpected error", rid)
             return _error(exc, rid)
-        headers = {"x-model-version": resolved.version.version}
+        headers = {**extra, "x-model-version": resolved.version.version}
         if rid_header:
             headers["x-request-id"] = rid
-        logger.info("[%s] %s %s@%s via %s attempts=%d %.1fms", rid, kind, resolved.model.name,
-                    resolved.version.version, result.replica, result.attempts,
-                    (time.monotonic() - started) * 1000)  # fmt: skip
+        if core.settings.expose_replica_header:
+            headers["x-replica"] = result.replica
+            headers["x-gateway-replica"] = core.settings.replica_id
+        logger.info("[%s] %s tenant=%s model=%s@%s replica=%s attempts=%d %.1fms", rid, kind,
+                    tenant.name, resolved.model.name, resolved.version.version, result.replica,
+                    result.attempts, (time.monotonic() - started) * 1000)  # fmt: skip
         if result.stream is not None:
             headers["cache-control"] = "no-cache"
             return StreamingResponse(result.stream, 200, headers, media_type="text/event-stream")
@@ -117,19 +122,29 @@ def create_api(core: GatewayCore) -> FastAPI:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "raystack",
                 "root": root, "max_model_len": max_len}  # fmt: skip
 
+    def _visible(request: Request) -> list[tuple[str, dict[str, object]]]:
+        tenant = core.auth.authenticate(request.headers.get("authorization"))
+        return [(i, _model_card(i, m.name, m.created, m.max_model_len))
+                for i, m in core.routes.model_ids() if tenant.allows(m.name)]  # fmt: skip
+
     @app.get("/v1/models")
-    async def models() -> dict[str, object]:
-        data = [_model_card(i, m.name, m.created, m.max_model_len) for i, m in core.routes.model_ids()]
-        return {"object": "list", "data": data}
+    async def models(request: Request) -> Response:
+        try:
+            data = [card for _, card in _visible(request)]
+        except GatewayError as exc:
+            return _error(exc, _request_id(request))
+        return Response(msgspec.json.encode({"object": "list", "data": data}), media_type=_JSON)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> Response:
-        for i, m in core.routes.model_ids():
-            if i == model_id:
-                card = _model_card(i, m.name, m.created, m.max_model_len)
-                return Response(msgspec.json.encode(card), media_type=_JSON)
-        return _error(NotFound(f"The model '{model_id}' does not exist.", param="model",
-                               code="model_not_found"), _request_id(request))  # fmt: skip
+        try:
+            for i, card in _visible(request):
+                if i == model_id:
+                    return Response(msgspec.json.encode(card), media_type=_JSON)
+        except GatewayError as exc:
+            return _error(exc, _request_id(request))
+        return _error(NotFound(f"The model '{model_id}' does not exist or you do not have access to it.",
+                               param="model", code="model_not_found"), _request_id(request))  # fmt: skip
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -1,29 +1,31 @@
 """Gateway core: the object graph behind the HTTP routes, built once per gateway replica.
 
-It owns the routing table (from the Serve ``user_config``), one pooled HTTP client, and the
-lease provider. Route handlers stay thin: parse, resolve, call :meth:`GatewayCore.complete`, render.
+It owns the routing table and tenants (from the Serve ``user_config``, so both change in place),
+one pooled HTTP client, the lease provider, quotas and metrics. Route handlers stay thin: parse,
+authenticate, resolve, call :meth:`GatewayCore.complete`, render.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
 
-from serving.errors import Unavailable
+from serving.errors import NotFound, Unavailable
+from serving.gateway.auth import Authenticator, Tenant
 from serving.gateway.proxy import Lease, UpstreamResult, forward
+from serving.gateway.quota import QuotaClient
 from serving.gateway.routing import Resolved, RoutingTable
 from serving.models.server import LeaseHint
-from serving.protocol import ParsedRequest
+from serving.protocol import ParsedRequest, StreamTap, usage_of
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["GatewayCore", "GatewaySettings", "LeaseProvider"]
+__all__ = ["Exchange", "GatewayCore", "GatewaySettings", "LeaseProvider", "unavailable"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class GatewaySettings:
     retries: int = 2
     upstream_timeout_s: float = 600.0
     max_connections: int = 1024
+    expose_replica_header: bool = False
+    replica_id: str = ""
     # Ray Serve's proxy already echoes x-request-id on responses; plain ASGI use needs it added.
     set_request_id_header: bool = True
 
@@ -42,24 +46,97 @@ class LeaseProvider(Protocol):
     async def ready(self, app: str, timeout_s: float) -> bool: ...
 
 
+def unavailable(message: str, retry_after: int = 1) -> Unavailable:
+    return Unavailable(message, headers={"retry-after": str(retry_after)})
+
+
+class Exchange:
+    """One request's bookkeeping: usage, timings, quota use and metrics, finished exactly once."""
+
+    def __init__(self, core: GatewayCore, parsed: ParsedRequest, resolved: Resolved, tenant: Tenant) -> None:
+        self.core, self.parsed, self.tenant = core, parsed, tenant
+        self.model, self.version = resolved.model.name, resolved.version.version
+        self.started = time.monotonic()
+        self.first_at: float | None = None
+        self.last_at = self.started
+        self.tap = StreamTap(strip_usage=not parsed.include_usage) if parsed.stream else None
+        self.usage: dict[str, Any] | None = None
+        self._done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+        self.last_at = now
+        return self.tap.feed(chunk) if self.tap else chunk
+
+    def flush(self) -> bytes:
+        return self.tap.flush() if self.tap else b""
+
+    def retried(self) -> None:
+        m = self.core.metrics
+        if m:
+            m.retries.inc(tags={"model": self.model, "version": self.version})
+
+    def finish(self, status: int, body: bytes | None = None) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.core.in_flight[self.model] -= 1
+        self.usage = self.tap.usage if self.tap else (usage_of(body) if body and status == 200 else None)
+        tokens = int((self.usage or {}).get("total_tokens") or 0)
+        if self.tenant.tpm is not None:
+            self.core.quota.record(self.tenant.name, tokens)
+        m = self.core.metrics
+        if m is None:
+            return
+        tags = m.tags(self.model, self.version, self.tenant.name)
+        m.requests.inc(tags={**tags, "status_class": f"{status // 100}xx"})
+        m.e2e.observe(time.monotonic() - self.started, tags=tags)
+        m.in_flight.set(self.core.in_flight[self.model], tags={"model": self.model, "kind": "all"})
+        if self.usage:
+            m.prompt_tokens.inc(int(self.usage.get("prompt_tokens") or 0), tags=tags)
+            m.completion_tokens.inc(int(self.usage.get("completion_tokens") or 0), tags=tags)
+        if self.tap and self.first_at is not None and status == 200:
+            m.ttft.observe(self.first_at - self.started, tags=tags)
+            n = int((self.usage or {}).get("completion_tokens") or 0)
+            if n > 1:
+                m.itl.observe((self.last_at - self.first_at) / (n - 1), tags=tags)
+
+
 class GatewayCore:
-    def __init__(self, settings: GatewaySettings, leases: LeaseProvider) -> None:
+    def __init__(self, settings: GatewaySettings, leases: LeaseProvider, metrics: Any = None) -> None:
         self.settings = settings
         self.leases = leases
+        self.metrics = metrics
         self.routes = RoutingTable()
+        self.auth = Authenticator({"mode": "keys"})
+        self.quota = QuotaClient(60.0)
+        self.in_flight: Counter[str] = Counter()
+        self.shed_limits: dict[str, int] = {}
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0),
-            limits=httpx.Limits(
-                max_connections=settings.max_connections,
-                max_keepalive_connections=settings.max_connections,
-            ),
-        )
+            limits=httpx.Limits(max_connections=settings.max_connections,
+                                max_keepalive_connections=settings.max_connections),
+        )  # fmt: skip
         self._ready_cache: tuple[float, bool] = (0.0, False)
 
-    def update_routes(self, user_config: dict[str, Any]) -> None:
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
         self.routes = RoutingTable.from_user_config(user_config)
+        auth = user_config.get("auth", {"mode": "keys"})
+        self.auth = Authenticator(auth)
+        self.quota = QuotaClient(float(auth.get("window_s", 60)), self.quota._actor)
+        self.shed_limits = {m["name"]: int(m.get("shed_low_priority_at", 0)) for m in user_config["models"]}
         logger.info("routing table: %s", {m.name: [(v.version, v.weight) for v in m.versions]
                                           for m in self.routes.models.values()})  # fmt: skip
+
+    def authorize(self, tenant: Tenant, requested: str | None) -> Resolved:
+        """Resolve the model for this tenant; a model it may not use looks like no model."""
+        resolved = self.routes.resolve(requested)
+        if not tenant.allows(resolved.model.name):
+            raise NotFound(f"The model '{requested}' does not exist or you do not have access to it.",
+                           param="model", code="model_not_found")  # fmt: skip
+        return resolved
 
     def hint_for(self, resolved: Resolved, parsed: ParsedRequest, session_id: str | None) -> LeaseHint:
         router = resolved.model.router
@@ -69,50 +146,53 @@ class GatewayCore:
             return LeaseHint(session_id=session_id)
         return LeaseHint()
 
-    async def complete(
-        self,
-        parsed: ParsedRequest,
-        resolved: Resolved,
-        path: str,
-        request_id: str,
-        session_id: str | None = None,
-        on_done: Callable[[bool], None] = lambda ok: None,
-    ) -> UpstreamResult:
+    def _shed(self, model: str, tenant: Tenant) -> None:
+        limit = self.shed_limits.get(model, 0)
+        if limit and tenant.priority < 5 and self.in_flight[model] >= limit:
+            if self.metrics:
+                self.metrics.shed.inc(tags={"model": model, "tenant": tenant.name})
+            raise unavailable(f"Model '{model}' is busy; low-priority requests are shed. Retry shortly.")
+
+    async def complete(self, parsed: ParsedRequest, resolved: Resolved, tenant: Tenant, path: str,
+                       request_id: str, session_id: str | None = None) -> tuple[UpstreamResult, dict[str, str]]:  # fmt: skip
+        """Admit (quota, shedding), forward with failover; returns the result and extra headers."""
+        try:
+            limit_headers = await self.quota.admit(tenant.name, tenant.rpm, tenant.tpm)
+        except Exception as exc:
+            if self.metrics and getattr(exc, "status", 0) == 429:
+                self.metrics.rate_limited.inc(tags={"tenant": tenant.name, "limit": str(exc.code)})
+            raise
+        model = resolved.model.name
+        self._shed(model, tenant)
         hint = self.hint_for(resolved, parsed, session_id)
-        app = resolved.version.app
-        timeout = resolved.model.cold_start_timeout_s
+        app, timeout = resolved.version.app, resolved.model.cold_start_timeout_s
+        exchange = Exchange(self, parsed, resolved, tenant)
+        self.in_flight[model] += 1
 
         async def leaser() -> Lease:
             return await self.leases.lease(app, hint, timeout)
 
-        return await forward(
-            client=self.client,
-            leaser=leaser,
-            path=path,
-            body=parsed.with_model(resolved.model.name),
-            stream=parsed.stream,
-            request_id=request_id,
-            retries=self.settings.retries,
-            on_done=on_done,
-        )
+        try:
+            result = await forward(client=self.client, leaser=leaser, path=path,
+                                   body=parsed.upstream_body(model), stream=parsed.stream,
+                                   request_id=request_id, retries=self.settings.retries, obs=exchange)  # fmt: skip
+        except BaseException as exc:
+            exchange.finish(getattr(exc, "status", 500))
+            raise
+        return result, limit_headers
 
     async def ready(self) -> bool:
         """Every live version of every model with a running replica (cached for 2 s)."""
+        import asyncio
+
         at, ok = self._ready_cache
         if time.monotonic() - at < 2.0:
             return ok
-        apps = [v.app for m in self.routes.models.values() for v in m.versions if v.weight > 0]
-        if not apps:
-            ok = False
-        else:
-            results = await asyncio.gather(*(self.leases.ready(a, 5.0) for a in apps))
-            ok = all(results)
+        apps = [v.app for m in self.routes.models.values() if not m.scale_to_zero
+                for v in m.versions if v.weight > 0]  # fmt: skip
+        ok = bool(apps) and all(await asyncio.gather(*(self.leases.ready(a, 5.0) for a in apps)))
         self._ready_cache = (time.monotonic(), ok)
         return ok
 
     async def aclose(self) -> None:
         await self.client.aclose()
-
-
-def unavailable(message: str, retry_after: int = 1) -> Unavailable:
-    return Unavailable(message, headers={"retry-after": str(retry_after)})

@@ -21,6 +21,14 @@ logger = logging.getLogger("serving.gateway")
 __all__ = ["Gateway", "ServeLeases"]
 
 
+def _cancel(gen: DeploymentResponseGenerator) -> None:
+    """End a lease call; a call that already failed (its replica died) has nothing to end."""
+    try:
+        gen.cancel()
+    except Exception:  # noqa: BLE001 - the call's own error was handled where it surfaced
+        pass
+
+
 class _ServeLease:
     __slots__ = ("_gen", "replica", "token", "url")
 
@@ -31,7 +39,7 @@ class _ServeLease:
         self.replica = endpoint.replica
 
     def release(self) -> None:
-        self._gen.cancel()
+        _cancel(self._gen)
 
 
 class ServeLeases:
@@ -52,19 +60,15 @@ class ServeLeases:
         try:
             endpoint = await asyncio.wait_for(gen.__anext__(), timeout_s)
         except BackPressureError:
-            gen.cancel()
             raise unavailable(f"Model '{app}' is at capacity; retry shortly.", 1) from None
         except TimeoutError:
-            gen.cancel()
+            _cancel(gen)  # still waiting for a replica: withdraw the request
             raise unavailable(f"No replica of '{app}' became available in {timeout_s:.0f}s.", 5) from None
         except (ActorDiedError, ActorUnavailableError, RayActorError, StopAsyncIteration) as exc:
-            gen.cancel()
             raise ReplicaGone(f"replica unavailable: {type(exc).__name__}") from None
         except DeploymentUnavailableError:
-            gen.cancel()
             raise unavailable(f"Model '{app}' is not deployed right now.", 5) from None
-        except RuntimeError as exc:  # the replica refused (engine process down)
-            gen.cancel()
+        except RuntimeError as exc:  # the replica refused (its engine process is down)
             raise ReplicaGone(f"replica refused lease: {exc}") from None
         return _ServeLease(gen, endpoint)
 
@@ -82,11 +86,14 @@ class Gateway:
     so promotions and weight changes are applied in place (``reconfigure``), with no restart."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        settings = {**settings, "set_request_id_header": False}  # Serve's proxy sets it
-        self.core = GatewayCore(GatewaySettings(**settings), ServeLeases())
+        from serving.metrics import GatewayMetrics
+
+        replica = str(serve.get_replica_context().replica_tag)
+        settings = {**settings, "set_request_id_header": False, "replica_id": replica}  # Serve's proxy sets x-request-id
+        self.core = GatewayCore(GatewaySettings(**settings), ServeLeases(), GatewayMetrics())
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        self.core.update_routes(user_config)
+        self.core.reconfigure(user_config)
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_api(self.core)

@@ -21,7 +21,7 @@ from serving.protocol import normalize_upstream_error
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["Lease", "Leaser", "ReplicaGone", "UpstreamResult", "forward"]
+__all__ = ["Lease", "Leaser", "Observer", "ReplicaGone", "UpstreamResult", "forward"]
 
 RETRYABLE = (httpx.TransportError,)
 
@@ -35,6 +35,18 @@ class Lease(Protocol):
 
 
 Leaser = Callable[[], Awaitable[Lease]]
+
+
+class Observer(Protocol):
+    """Sees a request's bytes on their way back (usage, timings) and its end."""
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def flush(self) -> bytes: ...
+
+    def retried(self) -> None: ...
+
+    def finish(self, status: int, body: bytes | None = None) -> None: ...
 
 
 @dataclass
@@ -106,25 +118,32 @@ async def _relay(
     resp: httpx.Response,
     lease: Lease,
     request_id: str,
-    on_done: Callable[[bool], None],
+    obs: Observer,
 ) -> AsyncIterator[bytes]:
-    ok = False
+    status = 499  # client went away, unless we get to the end
     try:
-        if first:
-            yield first
+        out = obs.feed(first) if first else b""
+        if out:
+            yield out
         async for chunk in chunks:
-            yield chunk
-        ok = True
+            out = obs.feed(chunk)
+            if out:
+                yield out
+        tail = obs.flush()
+        if tail:
+            yield tail
+        status = 200
     except RETRYABLE as exc:
+        status = 502
         logger.warning("[%s] stream from %s broke: %s", request_id, lease.replica, type(exc).__name__)
-        yield sse_error_event(
+        yield obs.flush() + sse_error_event(
             UpstreamError("The model replica failed while streaming; the response is incomplete."),
             request_id,
         )
     finally:
         await resp.aclose()
         lease.release()
-        on_done(ok)
+        obs.finish(status)
 
 
 async def forward(
@@ -136,17 +155,19 @@ async def forward(
     stream: bool,
     request_id: str,
     retries: int,
-    on_done: Callable[[bool], None] = lambda ok: None,
+    obs: Observer,
 ) -> UpstreamResult:
     """Run one request against the model tier with failover before the first byte."""
     last: str = "no attempt"
     for attempt in range(1, retries + 2):
+        if attempt > 1:
+            obs.retried()
+            await asyncio.sleep(min(0.25 * (attempt - 1), 1.0))
         try:
             lease = await leaser()
         except ReplicaGone as exc:
             last = str(exc)
             logger.warning("[%s] lease attempt %d failed: %s", request_id, attempt, last)
-            await asyncio.sleep(min(0.2 * attempt, 1.0))
             continue
         try:
             resp, data = await _open(client, lease, path, body, request_id, stream)
@@ -154,28 +175,23 @@ async def forward(
             if data is not None:
                 lease.release()
                 if resp.status_code >= 400:
-                    on_done(False)
-                    return UpstreamResult(
-                        resp.status_code, headers, normalize_upstream_error(resp.status_code, data),
-                        replica=lease.replica, attempts=attempt,
-                    )  # fmt: skip
-                on_done(True)
-                return UpstreamResult(200, headers, data, replica=lease.replica, attempts=attempt)
+                    data = normalize_upstream_error(resp.status_code, data)
+                obs.finish(resp.status_code, data)
+                return UpstreamResult(resp.status_code, headers, data, replica=lease.replica,
+                                      attempts=attempt)  # fmt: skip
             chunks = resp.aiter_raw()
             first = await _first_chunk(resp, chunks)
         except _RetryableFailure as exc:
             lease.release()
             last = str(exc)
             logger.warning("[%s] attempt %d on %s failed: %s", request_id, attempt, lease.replica, last)
-            await asyncio.sleep(min(0.2 * attempt, 1.0))
             continue
         except BaseException:
             lease.release()
             raise
         return UpstreamResult(
-            200, headers, stream=_relay(first, chunks, resp, lease, request_id, on_done),
+            200, headers, stream=_relay(first, chunks, resp, lease, request_id, obs),
             replica=lease.replica, attempts=attempt,
         )  # fmt: skip
-    on_done(False)
+    obs.finish(502)
     raise UpstreamError(f"No model replica could serve the request after {retries + 1} attempts.")
-

@@ -30,6 +30,7 @@ class ModelRoute:
     max_model_len: int
     router: str = "power_of_two"
     cold_start_timeout_s: float = 120.0
+    scale_to_zero: bool = False
     created: int = 0
 
     def version(self, version: str) -> VersionRoute | None:
@@ -60,6 +61,7 @@ class RoutingTable:
                 max_model_len=int(m["max_model_len"]),
                 router=m.get("router", "power_of_two"),
                 cold_start_timeout_s=float(m.get("cold_start_timeout_s", 120.0)),
+                scale_to_zero=bool(m.get("scale_to_zero", False)),
                 created=int(m.get("created", 0)),
             )
             table.models[route.name] = route

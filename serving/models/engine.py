@@ -24,7 +24,12 @@ class EngineSpec(BaseModel):
     path: str
     engine: EngineConfig
     use_gpu: bool = False
+    gpus_per_rank: float = 0.0
     startup_timeout_s: float = 600
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size
 
 
 def _flag(name: str) -> str:

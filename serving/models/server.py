@@ -68,12 +68,42 @@ def _die_with_parent() -> None:
 
 
 def _node_ip() -> str:
+    """The address Ray itself uses for this node (127.0.0.1 for the local stack, the pod IP on
+    Kubernetes), not whatever interface a routing lookup would pick."""
     try:
         import ray
 
-        return str(ray.util.get_node_ip_address())
+        node_id = ray.get_runtime_context().get_node_id()
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id:
+                return str(node["NodeManagerAddress"])
     except Exception:  # not inside Ray (unit use)
-        return "127.0.0.1"
+        pass
+    return "127.0.0.1"
+
+
+def _placement_group_gpus(spec: EngineSpec) -> str | None:
+    """CUDA_VISIBLE_DEVICES for a multi-rank GPU engine: this replica's GPU (bundle 0) plus the
+    GPU Ray assigned to each other bundle of the replica's placement group (one per rank, packed
+    on this node). Ray hides those from the replica actor itself, which holds only rank 0's."""
+    if not spec.use_gpu or spec.world_size <= 1:
+        return None
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = ray.util.get_current_placement_group()
+
+    @ray.remote(num_cpus=0)
+    def gpu_ids() -> list[str]:
+        return [str(i) for i in ray.get_gpu_ids()]
+
+    refs = [
+        gpu_ids.options(num_gpus=spec.gpus_per_rank, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=i)).remote()  # fmt: skip
+        for i in range(1, spec.world_size)
+    ]
+    ids = [str(i) for i in ray.get_gpu_ids()] + [g for ids in ray.get(refs) for g in ids]
+    return ",".join(dict.fromkeys(ids))
 
 
 def _replica_tag() -> str:
@@ -96,6 +126,9 @@ class ModelServer:
         self.replica = _replica_tag()
         self.endpoint = Endpoint(f"http://{self.host}:{self.port}", self.token, self.replica)
         env = {**os.environ, **vllm_env(self.spec)}
+        gpus = _placement_group_gpus(self.spec)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         cmd = [sys.executable, *vllm_command(self.spec, self.host, self.port, self.token)]
         logger.info("starting vLLM for %s@%s on port %d", self.spec.model, self.spec.version, self.port)
         # New session: the engine's processes die with it when we stop it (killpg).

@@ -5,6 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.conftest import Stack
+
 pytestmark = pytest.mark.integration
 
 CHAT = "/v1/chat/completions"
@@ -42,15 +44,15 @@ CASES = [
 
 @pytest.mark.parametrize(("name", "method", "path", "body", "status", "param"), CASES,
                          ids=[c[0] for c in CASES])  # fmt: skip
-def test_client_error(base_url: str, name: str, method: str, path: str, body: object,
+def test_client_error(stack: Stack, name: str, method: str, path: str, body: object,
                       status: int, param: str | None) -> None:  # fmt: skip
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, object] = {"headers": stack.headers()}
     if isinstance(body, bytes):
         kwargs["content"] = body
-        kwargs["headers"] = {"content-type": "application/json"}
+        kwargs["headers"] = {**stack.headers(), "content-type": "application/json"}
     elif body is not None:
         kwargs["json"] = body
-    r = httpx.request(method, base_url + path, timeout=60, **kwargs)  # type: ignore[arg-type]
+    r = httpx.request(method, stack.url + path, timeout=60, **kwargs)  # type: ignore[arg-type]
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -62,7 +64,7 @@ def test_client_error(base_url: str, name: str, method: str, path: str, body: ob
     assert r.headers.get("x-request-id")
 
 
-def test_still_serving_after_errors(base_url: str) -> None:
-    r = httpx.post(f"{base_url}/v1/completions", json={"model": "adder", "prompt": "12+30=",
-                   "max_tokens": 4, "temperature": 0}, timeout=60)  # fmt: skip
+def test_still_serving_after_errors(stack: Stack) -> None:
+    r = httpx.post(f"{stack.url}/v1/completions", json={"model": "adder", "prompt": "12+30=",
+                   "max_tokens": 4, "temperature": 0}, headers=stack.headers(), timeout=60)  # fmt: skip
     assert r.status_code == 200 and r.json()["choices"][0]["text"].strip() == "42"

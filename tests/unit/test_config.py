@@ -10,10 +10,11 @@ from serving.config import ConfigError, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = {"name": "adder", "versions": [{"version": "v1"}]}
+OPEN = {"mode": "open"}
 
 
 def _cfg(**over: object) -> dict[str, object]:
-    return {"models": [MODEL], **over}
+    return {"auth": OPEN, "models": [MODEL], **over}
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "deployments").glob("*.yaml")) + [ROOT / "tests/integration/stack.yaml"])
@@ -33,18 +34,24 @@ def test_local_default_serves_two_models_of_different_sizes() -> None:
     ("data", "where"),
     [
         (_cfg(gatway={}), "gatway: Extra inputs are not permitted"),
-        ({"models": [{**MODEL, "engine": {"dtype": "float64"}}]}, "models[adder].engine.dtype"),
-        ({"models": [{**MODEL, "engine": {"max_model_len": "long"}}]}, "models[adder].engine.max_model_len"),
-        ({"models": [{"name": "adder", "versions": [{"version": "v1", "wieght": 5}]}]},
+        (_cfg(models=[{**MODEL, "engine": {"dtype": "float64"}}]), "models[adder].engine.dtype"),
+        (_cfg(models=[{**MODEL, "engine": {"max_model_len": "long"}}]), "models[adder].engine.max_model_len"),
+        (_cfg(models=[{"name": "adder", "versions": [{"version": "v1", "wieght": 5}]}]),
          "models[adder].versions[v1].wieght"),
-        ({"models": [{"name": "Bad_Name", "versions": [{"version": "v1"}]}]}, "models[Bad_Name].name"),
-        ({"models": [{"name": "a", "versions": [{"version": "v1", "weight": 50}]}]}, "add up to 100"),
-        ({"models": [MODEL, MODEL]}, "used twice"),
-        ({"models": [{**MODEL, "aliases": ["adder"]}]}, "used twice"),
-        ({"models": []}, "models"),
+        (_cfg(models=[{"name": "Bad_Name", "versions": [{"version": "v1"}]}]), "models[Bad_Name].name"),
+        (_cfg(models=[{"name": "a", "versions": [{"version": "v1", "weight": 50}]}]), "add up to 100"),
+        (_cfg(models=[MODEL, MODEL]), "used twice"),
+        (_cfg(models=[{**MODEL, "aliases": ["adder"]}]), "used twice"),
+        (_cfg(models=[]), "models"),
         (_cfg(gateway={"default_model": "ghost"}), "is no model"),
-        ({"models": [{**MODEL, "deployment": {"autoscaling": {"min_replicas": 3, "max_replicas": 1}}}]},
+        (_cfg(models=[{**MODEL, "deployment": {"autoscaling": {"min_replicas": 3, "max_replicas": 1}}}]),
          "min_replicas must be <= max_replicas"),
+        ({"models": [MODEL]}, "auth: Field required"),
+        (_cfg(auth={"mode": "keys"}), "needs at least one tenant"),
+        (_cfg(auth={"tenants": [{"name": "t", "models": ["*"]}]}), "needs key_hashes or key_env"),
+        (_cfg(auth={"tenants": [{"name": "t", "key_env": "K", "models": ["ghost"]}]}), "unknown models"),
+        (_cfg(auth={"tenants": [{"name": "t", "key_hashes": ["plain-text-key"]}]}), "sha256$"),
+        (_cfg(auth={"tenants": [{"name": "t", "key_env": "K", "rpm": 0}]}), "auth.tenants[t].rpm"),
     ],
 )
 def test_invalid_configs_name_the_field(data: dict[str, object], where: str, tmp_path: Path) -> None:
@@ -67,6 +74,7 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
 
 def test_serve_config_layout_and_options() -> None:
     cfg = parse_config({
+        "auth": OPEN,
         "checkpoint_root": "/ck",
         "models": [
             {"name": "adder", "aliases": ["default"],

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from serving.errors import InvalidRequest
-from serving.protocol import normalize_upstream_error, parse_request
+from serving.protocol import StreamTap, normalize_upstream_error, parse_request, usage_of
 
 MSG = [{"role": "user", "content": "1+1="}]
 
@@ -55,8 +55,37 @@ def test_not_json_objects(raw: bytes) -> None:
 def test_model_rewrite_keeps_bytes_when_unchanged() -> None:
     raw = b'{"model": "adder", "prompt": "1"}'
     p = parse_request(raw, "completion")
-    assert p.with_model("adder") is raw
-    assert json.loads(p.with_model("other"))["model"] == "other"
+    assert p.upstream_body("adder") is raw
+    assert json.loads(p.upstream_body("other"))["model"] == "other"
+
+
+def test_streams_always_ask_for_usage_upstream() -> None:
+    p = parse_request(b'{"model": "a", "prompt": "1", "stream": true}', "completion")
+    assert json.loads(p.upstream_body("a"))["stream_options"] == {"include_usage": True}
+    q = parse_request(b'{"model": "a", "prompt": "1", "stream": true, '
+                      b'"stream_options": {"include_usage": true}}', "completion")  # fmt: skip
+    assert q.upstream_body("a") is q.raw
+
+
+SSE = (b'data: {"choices":[{"delta":{"content":"4"}}]}\n\n'
+       b'data: {"choices":[{"delta":{"content":"2"}}]}\n\n'
+       b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}\n\n'
+       b"data: [DONE]\n\n")  # fmt: skip
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 50, len(SSE)])
+@pytest.mark.parametrize("strip", [True, False])
+def test_stream_tap_finds_usage_across_any_chunking(size: int, strip: bool) -> None:
+    tap = StreamTap(strip_usage=strip)
+    out = b"".join(tap.feed(SSE[i : i + size]) for i in range(0, len(SSE), size)) + tap.flush()
+    assert tap.usage == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert (b'"usage"' in out) is not strip
+    assert out.endswith(b"data: [DONE]\n\n") and out.count(b"\n\n") == (3 if strip else 4)
+
+
+def test_usage_of_plain_body() -> None:
+    assert usage_of(b'{"usage": {"total_tokens": 3}}') == {"total_tokens": 3}
+    assert usage_of(b"not json") is None
 
 
 def test_upstream_errors_are_normalised() -> None:

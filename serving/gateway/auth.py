@@ -1,0 +1,94 @@
+"""API keys and tenants.
+
+Keys are high-entropy random tokens, so they are stored as salted SHA-256 (``sha256$salt$hex``),
+never in plain text; a key may also come from an environment variable (a Kubernetes Secret),
+hashed in memory at start. A verified key is cached by its own SHA-256, not by the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from serving.errors import AuthenticationError
+
+logger = logging.getLogger("serving.gateway")
+
+__all__ = ["ANONYMOUS", "Authenticator", "Tenant", "hash_key", "new_key"]
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    models: frozenset[str]
+    rpm: int | None = None
+    tpm: int | None = None
+    priority: int = 5
+
+    def allows(self, model: str) -> bool:
+        return "*" in self.models or model in self.models
+
+
+ANONYMOUS = Tenant("anonymous", frozenset({"*"}))
+
+
+def hash_key(key: str, salt: str | None = None) -> str:
+    salt = salt or secrets.token_hex(8)
+    return f"sha256${salt}${hashlib.sha256((salt + key).encode()).hexdigest()}"
+
+
+def new_key() -> str:
+    return "sk-rs-" + secrets.token_urlsafe(32)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class Authenticator:
+    """Maps a bearer key to its tenant. Built from the gateway's user_config ``auth`` section."""
+
+    def __init__(self, auth: dict[str, Any]) -> None:
+        self.open = auth.get("mode", "keys") == "open"
+        self._hashed: list[tuple[str, str, Tenant]] = []  # (salt, hexdigest, tenant)
+        self._cache: dict[bytes, Tenant] = {}
+        for t in auth.get("tenants", []):
+            tenant = Tenant(t["name"], frozenset(t.get("models", ["*"])), t.get("rpm"),
+                            t.get("tpm"), int(t.get("priority", 5)))  # fmt: skip
+            for h in t.get("key_hashes", []):
+                _, salt, hexd = h.split("$")
+                self._hashed.append((salt, hexd, tenant))
+            env = t.get("key_env")
+            if env:
+                key = os.environ.get(env)
+                if key:
+                    self._cache[_digest(key)] = tenant
+                else:
+                    logger.warning("tenant %s: environment variable %s is not set", t["name"], env)
+        if self.open:
+            logger.warning("AUTH IS OFF (auth.mode: open): every request is accepted without a key. "
+                           "Use this for local development only.")  # fmt: skip
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        if self.open:
+            return ANONYMOUS
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise AuthenticationError(
+                "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"
+            )
+        key = authorization[7:].strip()
+        d = _digest(key)
+        tenant = self._cache.get(d)
+        if tenant is not None:
+            return tenant
+        for salt, hexd, t in self._hashed:
+            calc = hashlib.sha256((salt + key).encode()).hexdigest()
+            if hmac.compare_digest(calc, hexd):
+                self._cache[d] = t
+                return t
+        raise AuthenticationError("Incorrect API key provided.", code="invalid_api_key")

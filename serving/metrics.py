@@ -1,0 +1,96 @@
+"""Every metric the stack exports, in one place, with bounded labels only.
+
+Recorded through Ray's metrics API (``ray.util.metrics``): each node's Ray metrics agent
+aggregates all replicas on that node and serves them on the node's metrics-export port, which
+Prometheus scrapes (the Ray exporter prefixes names with ``ray_``). Labels are config-resolved
+values only (model, version, tenant, status class), never raw client input.
+
+Latency histograms have explicit buckets suited to LLM serving: TTFT from 5 ms to 60 s,
+inter-token latency from 1 ms to 2 s, end-to-end from 10 ms to 10 minutes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["EngineMetrics", "GatewayMetrics", "status_class"]
+
+TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2, 5, 10, 30, 60]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2]
+E2E_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600]
+REQ_KEYS = ("model", "version", "tenant")
+
+
+def status_class(status: int) -> str:
+    return f"{status // 100}xx"
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        from ray.util import metrics as m
+
+        keys = REQ_KEYS
+        self.requests = m.Counter("raystack_requests", "Requests answered by the gateway.",
+                                  tag_keys=(*keys, "status_class"))  # fmt: skip
+        self.ttft = m.Histogram("raystack_time_to_first_token_seconds",
+                                "Time from request arrival to the first streamed byte.",
+                                boundaries=TTFT_BUCKETS, tag_keys=keys)  # fmt: skip
+        self.itl = m.Histogram("raystack_inter_token_latency_seconds",
+                               "Mean time between output tokens of a streamed response.",
+                               boundaries=ITL_BUCKETS, tag_keys=keys)  # fmt: skip
+        self.e2e = m.Histogram("raystack_request_latency_seconds", "End-to-end request latency.",
+                               boundaries=E2E_BUCKETS, tag_keys=keys)  # fmt: skip
+        self.prompt_tokens = m.Counter("raystack_prompt_tokens", "Prompt tokens processed.", tag_keys=keys)
+        self.completion_tokens = m.Counter("raystack_completion_tokens", "Completion tokens generated.",
+                                           tag_keys=keys)  # fmt: skip
+        self.in_flight = m.Gauge("raystack_in_flight_requests", "Requests in flight at this gateway.",
+                                 tag_keys=("model", "kind"))  # fmt: skip
+        self.rate_limited = m.Counter("raystack_rate_limited", "Requests refused by a tenant limit.",
+                                      tag_keys=("tenant", "limit"))  # fmt: skip
+        self.shed = m.Counter("raystack_shed", "Requests refused because a model's queue was full.",
+                              tag_keys=("model", "tenant"))  # fmt: skip
+        self.retries = m.Counter("raystack_retries", "Requests retried on another replica.",
+                                 tag_keys=("model", "version"))  # fmt: skip
+
+    def tags(self, model: str, version: str, tenant: str) -> dict[str, str]:
+        return {"model": model, "version": version, "tenant": tenant}
+
+
+class EngineMetrics:
+    """vLLM engine gauges, bridged by each model replica from its engine's /metrics."""
+
+    FIELDS = {
+        "vllm:kv_cache_usage_perc": "kv_cache",
+        "vllm:num_requests_running": "running",
+        "vllm:num_requests_waiting": "waiting",
+    }
+
+    def __init__(self) -> None:
+        from ray.util import metrics as m
+
+        keys = ("model", "version", "replica")
+        self.gauges: dict[str, Any] = {
+            "kv_cache": m.Gauge("raystack_engine_kv_cache_usage_ratio", "vLLM KV-cache use (0-1).", tag_keys=keys),
+            "running": m.Gauge("raystack_engine_requests_running", "Sequences running in vLLM.", tag_keys=keys),
+            "waiting": m.Gauge("raystack_engine_requests_waiting", "Sequences queued in vLLM.", tag_keys=keys),
+        }  # fmt: skip
+
+    def update(self, text: str, tags: dict[str, str]) -> None:
+        values = parse_prometheus_values(text, set(self.FIELDS))
+        for name, value in values.items():
+            self.gauges[self.FIELDS[name]].set(value, tags=tags)
+
+
+def parse_prometheus_values(text: str, names: set[str]) -> dict[str, float]:
+    """Sum the samples of the named metrics in a Prometheus text exposition."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except (ValueError, IndexError):
+                continue
+    return out

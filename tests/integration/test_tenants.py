@@ -1,0 +1,133 @@
+"""Tenants, keys, limits, routing policies and backpressure against the real stack (issue 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import Stack
+
+pytestmark = pytest.mark.integration
+
+WINDOW = 10.0  # auth.window_s in tests/integration/stack.yaml
+
+
+def _post(stack: Stack, tenant: str | None, body: dict[str, object], **headers: str) -> httpx.Response:
+    h = stack.headers(tenant) if tenant else {}
+    return httpx.post(f"{stack.url}/v1/completions", json=body, headers={**h, **headers}, timeout=120)
+
+
+ADD = {"model": "adder", "prompt": "12+30=", "max_tokens": 3, "temperature": 0}
+
+
+def _fresh_window() -> None:
+    """Start at the beginning of a rate-limit window so a test's requests share one window."""
+    left = WINDOW - time.time() % WINDOW
+    if left < WINDOW - 1.0:
+        time.sleep(left + 0.05)
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer sk-wrong", "Basic abc", "Bearer"])
+def test_missing_or_wrong_key_is_401(stack: Stack, auth: str | None) -> None:
+    headers = {"authorization": auth} if auth else {}
+    for r in (httpx.post(f"{stack.url}/v1/completions", json=ADD, headers=headers, timeout=30),
+              httpx.get(f"{stack.url}/v1/models", headers=headers, timeout=30)):  # fmt: skip
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "authentication_error"
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_models_outside_the_tenant_list_look_absent(stack: Stack) -> None:
+    r = _post(stack, "limited", {**ADD, "model": "subtractor"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    ids = {m["id"] for m in httpx.get(f"{stack.url}/v1/models", headers=stack.headers("limited")).json()["data"]}
+    assert ids == {"adder", "default", "stable", "adder@v1"}
+    assert httpx.get(f"{stack.url}/v1/models/subtractor", headers=stack.headers("limited")).status_code == 404
+    # the hashed-key tenant may use only subtractor
+    assert _post(stack, "hashed", {**ADD, "model": "subtractor", "prompt": "50-8="}).status_code == 200
+    assert _post(stack, "hashed", ADD).status_code == 404
+    all_ids = {m["id"] for m in httpx.get(f"{stack.url}/v1/models", headers=stack.headers()).json()["data"]}
+    assert {"adder", "subtractor"} <= all_ids
+
+
+def test_rpm_limit_shared_across_gateway_replicas_then_reset(stack: Stack) -> None:
+    _fresh_window()
+    rs = [_post(stack, "limited", ADD) for _ in range(10)]
+    ok = [r for r in rs if r.status_code == 200]
+    limited = [r for r in rs if r.status_code == 429]
+    assert len(ok) == 4 and len(limited) == 6, [r.status_code for r in rs]
+    # both gateway replicas answered, and together they admitted exactly the tenant's 4 requests
+    assert len({r.headers["x-gateway-replica"] for r in rs}) == 2
+    r = limited[0]
+    assert r.json()["error"]["type"] == "rate_limit_exceeded"
+    assert 1 <= int(r.headers["retry-after"]) <= WINDOW
+    assert r.headers["x-ratelimit-limit-requests"] == "4"
+    assert r.headers["x-ratelimit-remaining-requests"] == "0"
+    assert r.headers["x-ratelimit-reset-requests"].endswith("s")
+    assert ok[0].headers["x-ratelimit-limit-requests"] == "4"
+    time.sleep(int(r.headers["retry-after"]) + 0.2)
+    assert _post(stack, "limited", ADD).status_code == 200
+
+
+def test_tpm_counts_tokens_actually_used(stack: Stack) -> None:
+    _fresh_window()
+    used, codes = 0, []
+    for _ in range(12):
+        r = _post(stack, "tokens", {**ADD, "stream": False})
+        codes.append(r.status_code)
+        if r.status_code == 200:
+            used += r.json()["usage"]["total_tokens"]
+        else:
+            assert r.headers["x-ratelimit-limit-tokens"] == "60"
+            assert r.headers["x-ratelimit-remaining-tokens"] == "0"
+            break
+    assert codes[-1] == 429, codes
+    assert 60 <= used < 60 + 12  # refused as soon as actual usage reached the limit
+
+
+def test_streamed_usage_counts_towards_tpm_and_is_hidden_unless_asked(stack: Stack) -> None:
+    _fresh_window()
+    body = {**ADD, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, headers=stack.headers("tokens")) as r:
+        text = r.read().decode()
+    assert '"usage"' not in text and text.rstrip().endswith("data: [DONE]")
+    r2 = _post(stack, "tokens", ADD)
+    assert int(r2.headers["x-ratelimit-remaining-tokens"]) < 60
+
+
+def test_session_affinity_pins_a_session_to_one_replica(stack: Stack) -> None:
+    seen = {_post(stack, "main", ADD, **{"x-session-id": "session-42"}).headers["x-replica"] for _ in range(8)}
+    assert len(seen) == 1
+    spread = {_post(stack, "main", ADD, **{"x-session-id": f"s-{i}"}).headers["x-replica"] for i in range(16)}
+    assert len(spread) == 2  # adder has two replicas; sessions are spread over both
+
+
+def test_prefix_affinity_model_serves(stack: Stack) -> None:
+    r = _post(stack, "main", {"model": "subtractor", "prompt": "50-8=", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].strip() == "42"
+
+
+def test_full_queue_answers_503_at_once(stack: Stack) -> None:
+    """subtractor holds 4 running + 4 queued per gateway; 40 long requests overflow it."""
+    body = {"model": "subtractor", "prompt": "50-8=", "max_tokens": 40, "ignore_eos": True}
+
+    async def run() -> list[tuple[int, float, str]]:
+        async with httpx.AsyncClient(timeout=300, headers=stack.headers()) as c:
+            async def one() -> tuple[int, float, str]:
+                t = time.monotonic()
+                r = await c.post(f"{stack.url}/v1/completions", json=body)
+                return r.status_code, time.monotonic() - t, r.headers.get("retry-after", "")
+            return await asyncio.gather(*(one() for _ in range(40)))
+
+    results = asyncio.run(run())
+    codes = [c for c, _, _ in results]
+    assert set(codes) <= {200, 503}, codes
+    rejected = [(t, ra) for c, t, ra in results if c == 503]
+    served = [t for c, t, _ in results if c == 200]
+    assert rejected and served
+    assert all(ra for _, ra in rejected)
+    # refused at once, not after waiting behind the queue
+    assert max(t for t, _ in rejected) < min(served) + 1.0

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+
+from serving.errors import AuthenticationError
+from serving.gateway.auth import ANONYMOUS, Authenticator, hash_key, new_key
+from serving.gateway.quota import WindowCounter, rate_limit_headers
+
+
+def test_hashed_and_env_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    k1, k2 = new_key(), new_key()
+    monkeypatch.setenv("TEAM_B_KEY", k2)
+    auth = Authenticator({"mode": "keys", "tenants": [
+        {"name": "a", "key_hashes": [hash_key(k1)], "models": ["adder"], "rpm": 5},
+        {"name": "b", "key_env": "TEAM_B_KEY"},
+    ]})  # fmt: skip
+    assert auth.authenticate(f"Bearer {k1}").name == "a"
+    assert auth.authenticate(f"Bearer {k1}").name == "a"  # cached path
+    assert auth.authenticate(f"bearer {k2}").name == "b"
+    assert auth.authenticate(f"Bearer {k1}").allows("adder")
+    assert not auth.authenticate(f"Bearer {k1}").allows("subtractor")
+    for bad in (None, "", "Basic x", f"Bearer {k1}x", "Bearer "):
+        with pytest.raises(AuthenticationError):
+            auth.authenticate(bad)
+
+
+def test_hash_is_salted_and_not_the_key() -> None:
+    k = new_key()
+    h1, h2 = hash_key(k), hash_key(k)
+    assert h1 != h2 and k not in h1 and h1.startswith("sha256$")
+
+
+def test_open_mode_is_anonymous() -> None:
+    assert Authenticator({"mode": "open"}).authenticate(None) is ANONYMOUS
+
+
+def test_window_counter_requests_and_tokens() -> None:
+    c = WindowCounter()
+    got = [c.admit("t", 3, None, 10, now=100.0 + i).allowed for i in range(5)]
+    assert got == [True, True, True, False, False]
+    a = c.admit("t", 3, None, 10, now=109.5)
+    assert not a.allowed and a.reason == "requests" and a.reset_s == pytest.approx(0.5)
+    assert c.admit("t", 3, None, 10, now=110.0).allowed  # next window
+    assert c.admit("other", 3, None, 10, now=100.0).allowed  # tenants are separate
+    c.record("u", 50, 10, now=200.0)
+    assert c.admit("u", None, 60, 10, now=201.0).allowed
+    c.record("u", 20, 10, now=202.0)
+    b = c.admit("u", None, 60, 10, now=203.0)
+    assert not b.allowed and b.reason == "tokens" and b.remaining_tokens == 0
+    h = rate_limit_headers(b)
+    assert h["x-ratelimit-limit-tokens"] == "60" and h["x-ratelimit-reset-tokens"] == "7s"
