@@ -32,12 +32,36 @@ LOCAL_ENV = {
 }
 
 
-def _load(path: Path) -> StackConfig:
+def _load(path: Path, live: bool = True) -> StackConfig:
+    """The stack config; with ``live``, the versions promoted since (the routes file) applied."""
+    from serving.promotion import apply_routes, routes_path
+    from serving.stack import RUN_DIR
+
     try:
-        return load_config(path)
+        cfg = load_config(path)
+        return apply_routes(cfg, routes_path(RUN_DIR, cfg.name)) if live else cfg
     except ConfigError as exc:
         console.print(str(exc), style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None
+
+
+def _running(cfg: StackConfig, config: Path) -> tuple[object, object]:
+    from serving.stack import LocalDeployer, StackState
+
+    state = StackState.load(cfg.name)
+    if state is None:
+        console.print(f"no running stack {cfg.name!r}; start it with: serving up -c {config}")
+        raise typer.Exit(1)
+    return state, LocalDeployer(state, config.resolve().parent, cfg.local_ray.metrics_export_port)
+
+
+def _store(cfg: StackConfig, config: Path) -> object:
+    from serving.registry import CheckpointStore
+
+    root = cfg.checkpoint_root
+    if "://" not in root and not Path(root).is_absolute():
+        root = str((config.resolve().parent / root).resolve())
+    return CheckpointStore(root)
 
 
 @app.command()
@@ -97,6 +121,72 @@ def render(config: Path = ConfigOpt, output: Path | None = typer.Option(None, "-
         output.write_text(text)
     else:
         sys.stdout.write(text)
+
+
+@app.command()
+def promote(
+    model: str = typer.Argument(..., help="Model name."),
+    version: str = typer.Argument(..., help="Version in the checkpoint store to promote."),
+    config: Path = ConfigOpt,
+    steps: str = typer.Option("10,50,100", help="Traffic percentages for the new version."),
+    step_seconds: float = typer.Option(30, help="How long each step is watched."),
+    api_key_env: str = typer.Option("", help="Env var with an API key for warm-up requests."),
+) -> None:
+    """Verify, deploy beside the live version, warm up, shift traffic in steps under SLO watch,
+    then finish or roll back automatically."""
+    import os
+
+    from serving.promotion import PromotionError, SloPolicy, routes_path, save_result
+    from serving.promotion import promote as run_promotion
+    from serving.stack import RUN_DIR
+
+    cfg = _load(config)
+    state, deployer = _running(cfg, config)
+    policy = SloPolicy(steps=tuple(int(x) for x in steps.split(",")), step_seconds=step_seconds)
+    headers = {"authorization": f"Bearer {os.environ[api_key_env]}"} if api_key_env else {}
+    try:
+        result = run_promotion(cfg, model, version, store=_store(cfg, config), deployer=deployer,  # type: ignore[arg-type]
+                               routes_file=routes_path(RUN_DIR, cfg.name), base_url=state.base_url,  # type: ignore[attr-defined]
+                               policy=policy, headers=headers, log=console.print)  # fmt: skip
+    except (PromotionError, KeyError) as exc:
+        console.print(f"promotion refused: {exc}", style="red", markup=False)
+        raise typer.Exit(2) from None
+    save_result(RUN_DIR, cfg.name, result)
+    print(f"{result.status}: {model}@{version}" + (f" ({result.reason})" if result.reason else ""))
+    raise typer.Exit(0 if result.status == "promoted" else 1)
+
+
+@app.command()
+def rollback(
+    model: str = typer.Argument(...),
+    config: Path = ConfigOpt,
+    to: str | None = typer.Option(None, help="Version to keep (default: the one with most traffic)."),
+) -> None:
+    """Serve one version of a model alone again, removing the others."""
+    from serving.promotion import PromotionError, routes_path
+    from serving.promotion import rollback as run_rollback
+    from serving.stack import RUN_DIR
+
+    cfg = _load(config)
+    _, deployer = _running(cfg, config)
+    try:
+        kept = run_rollback(cfg, model, deployer, routes_path(RUN_DIR, cfg.name), to)  # type: ignore[arg-type]
+    except (PromotionError, KeyError) as exc:
+        console.print(f"rollback refused: {exc}", style="red", markup=False)
+        raise typer.Exit(2) from None
+    print(f"{model}: serving {kept} alone")
+
+
+@app.command()
+def versions(model: str = typer.Argument(...), config: Path = ConfigOpt) -> None:
+    """List a model's versions in the checkpoint store, with their eval scores and traffic."""
+    cfg = _load(config)
+    store = _store(cfg, config)
+    live = {v.version: v.weight for v in cfg.model(model).versions}
+    for v in store.list_versions(model):  # type: ignore[attr-defined]
+        man = store.manifest(model, v)  # type: ignore[attr-defined]
+        print(f"{v:10} task={man.task:4} exact_match={man.eval.exact_match:.3f} "
+              f"steps={man.steps:5} traffic={live.get(v, 0)}%")  # fmt: skip
 
 
 @app.command("render-k8s")

@@ -142,6 +142,9 @@ class ModelConfig(_Strict):
     versions: list[ModelVersion] = Field(min_length=1)
     engine: EngineConfig = EngineConfig()
     deployment: DeploymentOptions = DeploymentOptions()
+    eval_gate: float | None = Field(
+        None, ge=0, le=1, description="Minimum held-out exact match a version needs to be promoted."
+    )
 
     @field_validator("name")
     @classmethod
@@ -158,6 +161,9 @@ class ModelConfig(_Strict):
         if sum(v.weight for v in self.versions) != 100:
             raise ValueError("the weights of a model's versions must add up to 100")
         return self
+
+    def version(self, version: str) -> ModelVersion | None:
+        return next((v for v in self.versions if v.version == version), None)
 
     @property
     def live_version(self) -> str:
@@ -241,6 +247,9 @@ class LocalRayConfig(_Strict):
 
     gcs_port: int = Field(6379, ge=1024, le=65535)
     dashboard_port: int = Field(8265, ge=1024, le=65535)
+    metrics_export_port: int = Field(
+        8080, ge=1024, le=65535, description="Ray's Prometheus endpoint (all stack metrics)."
+    )
     num_cpus: int = Field(
         8, ge=1, description="Logical CPUs Ray may schedule (more than cores: see ENVIRONMENT.md)."
     )

@@ -109,6 +109,7 @@ def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str
         "--num-cpus", str(ray.num_cpus),
         "--dashboard-host", "127.0.0.1",
         "--dashboard-port", str(ray.dashboard_port),
+        "--metrics-export-port", str(ray.metrics_export_port),
         "--temp-dir", temp_dir,
         "--disable-usage-stats",
     ]  # fmt: skip
@@ -212,6 +213,22 @@ def stop_stack(name: str, log: Any = print) -> bool:
     shutil.rmtree(state.temp_dir, ignore_errors=True)
     log(f"stopped stack {name!r} (ray head pid {state.ray_pid})")
     return True
+
+
+class LocalDeployer:
+    """Applies stack configs to the running local stack (used by promotions)."""
+
+    def __init__(self, state: StackState, base: Path, metrics_port: int) -> None:
+        self.state, self.base, self.metrics_port = state, base, metrics_port
+
+    def apply(self, cfg: StackConfig) -> None:
+        deploy(self.state, build_serve_config(cfg, self.base))
+
+    def wait_running(self, apps: list[str], timeout_s: float) -> None:
+        wait_running(self.state, apps, timeout_s, log=lambda _msg: None)
+
+    def metrics_text(self) -> str:
+        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30).text
 
 
 def up(cfg: StackConfig, base: Path, env: dict[str, str], timeout_s: float, log: Any = print) -> StackState:

@@ -135,6 +135,25 @@ class ModelServer:
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self._wait_ready()
+        self._metrics_task: asyncio.Task[None] | None = None
+
+    async def _bridge_engine_metrics(self) -> None:
+        """Every 5 s, copy the engine's KV-cache use and queue lengths into Ray's metrics."""
+        from serving.metrics import EngineMetrics
+
+        metrics = EngineMetrics()
+        tags = {"model": self.spec.model, "version": self.spec.version, "replica": self.replica}
+        while True:
+            try:
+                resp = await self._client.get(f"{self.endpoint.url}/metrics")
+                metrics.update(resp.text, tags)
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(5)
+
+    def _ensure_metrics_task(self) -> None:
+        if self._metrics_task is None:
+            self._metrics_task = asyncio.get_running_loop().create_task(self._bridge_engine_metrics())
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
@@ -156,6 +175,7 @@ class ModelServer:
         """Yield this replica's endpoint, then hold the lease open until the caller cancels."""
         if self.proc.poll() is not None:
             raise RuntimeError("vLLM engine process is not running")
+        self._ensure_metrics_task()
         yield self.endpoint
         await asyncio.Event().wait()  # released by cancellation from the gateway
 
@@ -164,6 +184,7 @@ class ModelServer:
 
     async def check_health(self) -> None:
         """Serve's health check: the engine process must live and answer /health."""
+        self._ensure_metrics_task()
         if self.proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with code {self.proc.returncode}")
         resp = await self._client.get(f"{self.endpoint.url}/health")
