@@ -1,0 +1,371 @@
+"""Checkpoint store: list, read, verify, fetch and publish versioned model checkpoints.
+
+Why one module for both sides: the training job writes and the serving tier reads the same layout,
+so the layout, the manifest schema and the integrity rules live in exactly one place::
+
+    <root>/<model>/<version>/            complete versions only (renamed into place when done)
+        config.json, model.safetensors, tokenizer.json, ...
+        manifest.json                    written last; lists every other file with its sha256
+    <root>/<model>/.tmp-<version>-<hex>/ a publish in progress (never listed)
+    <root>/<model>/.runs/<version>/      the training job's resumable Ray Train state (never listed)
+
+``<root>`` is a local path or any fsspec URI (``s3://``, ``gs://``, ``memory://`` in tests). A
+version directory is complete when it has a valid ``manifest.json``; :meth:`CheckpointStore.verify`
+re-hashes every file so that a server never loads weights that differ from the ones evaluated.
+
+Exception tree (all carry ``model`` and ``version``)::
+
+    RegistryError
+     +-- VersionNotFound      no such model/version directory
+     +-- VersionExists        publish refused: the version is already there (never overwritten)
+     +-- IncompleteVersion    no manifest, or a manifest that does not parse
+     +-- TamperedVersion      a listed file is missing or differs, or an unlisted file is present
+     +-- BelowEvalGate        the manifest's exact match is below the requested gate
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+__all__ = [
+    "BelowEvalGate",
+    "CheckpointStore",
+    "EvalScore",
+    "IncompleteVersion",
+    "Manifest",
+    "RegistryError",
+    "TamperedVersion",
+    "VersionExists",
+    "VersionNotFound",
+    "check_name",
+    "hash_tree",
+    "sha256_file",
+]
+
+MANIFEST: Final = "manifest.json"
+RUNS_DIR: Final = ".runs"
+TMP_PREFIX: Final = ".tmp-"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_CHUNK: Final = 1 << 20
+
+
+class RegistryError(Exception):
+    """Base of every checkpoint-store error."""
+
+    def __init__(self, message: str, *, model: str | None = None, version: str | None = None):
+        super().__init__(message)
+        self.model = model
+        self.version = version
+
+
+class VersionNotFound(RegistryError):
+    """The model or version directory does not exist."""
+
+
+class VersionExists(RegistryError):
+    """Publishing would overwrite an existing version."""
+
+
+class IncompleteVersion(RegistryError):
+    """The version directory has no manifest or an invalid one (e.g. a publish that died)."""
+
+
+class TamperedVersion(RegistryError):
+    """A file differs from the manifest: changed, missing, or present but not listed."""
+
+
+class BelowEvalGate(RegistryError):
+    """The version's evaluation score is below the required gate."""
+
+
+class EvalScore(BaseModel):
+    """Held-out evaluation recorded by the training job."""
+
+    model_config = ConfigDict(extra="allow")
+
+    exact_match: float
+    n: int
+
+
+class Manifest(BaseModel):
+    """``manifest.json`` of one version. Extra fields are kept, so writers may add provenance."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    version: str
+    parent_version: str | None = None
+    task: str
+    size: str
+    steps: int
+    final_loss: float
+    eval: EvalScore
+    files: dict[str, str]
+    created_at: datetime
+    code_revision: str = "unknown"
+
+
+def check_name(kind: str, name: str) -> str:
+    """Model and version names become path segments: letters, digits, ``._-``, no leading dot."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(
+            f"invalid {kind} name {name!r}: use letters, digits, '.', '_' or '-' "
+            "(at most 128 characters, not starting with '.', '_' or '-')"
+        )
+    return name
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a local file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hash_tree(directory: str | Path) -> dict[str, str]:
+    """``{relative posix path: sha256}`` of every file under a local directory but the manifest."""
+    base = Path(directory)
+    return {
+        p.relative_to(base).as_posix(): sha256_file(p)
+        for p in sorted(base.rglob("*"))
+        if p.is_file() and p.relative_to(base).as_posix() != MANIFEST
+    }
+
+
+class CheckpointStore:
+    """The checkpoint store at ``root`` (local path or fsspec URI).
+
+    ``cache_dir`` is where :meth:`local_path` downloads versions of a non-local store so that an
+    engine can load them from disk.
+    """
+
+    def __init__(self, root: str, cache_dir: str | Path | None = None):
+        self.root = root
+        self.fs, path = fsspec.core.url_to_fs(root)
+        self._root_path = path.rstrip("/") or "/"
+        self._cache_dir = Path(cache_dir or Path.home() / ".cache" / "raystack" / "checkpoints")
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.root!r})"
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    # -- paths ---------------------------------------------------------------------------------
+
+    def _join(self, *parts: str) -> str:
+        return "/".join([self._root_path.rstrip("/"), *parts])
+
+    def version_path(self, model: str, version: str) -> str:
+        """Filesystem path (no protocol) of a version directory."""
+        return self._join(check_name("model", model), check_name("version", version))
+
+    def uri(self, model: str, version: str) -> str:
+        """Full URI (with protocol, unless local) of a version directory."""
+        path = self.version_path(model, version)
+        return path if self.is_local else self.fs.unstrip_protocol(path)
+
+    def run_path(self, model: str, version: str) -> str:
+        """Where the training job keeps its resumable Ray Train state for ``version``."""
+        return self._join(check_name("model", model), RUNS_DIR, check_name("version", version))
+
+    def _dirs(self, path: str) -> list[str]:
+        if not self.fs.isdir(path):
+            return []
+        return [
+            info["name"].rstrip("/").rsplit("/", 1)[-1]
+            for info in self.fs.ls(path, detail=True)
+            if info["type"] == "directory"
+        ]
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def list_models(self) -> list[str]:
+        """Models with at least one complete version."""
+        names = [n for n in self._dirs(self._root_path) if _NAME.fullmatch(n)]
+        return sorted((n for n in names if self.list_versions(n)), key=_natural_key)
+
+    def list_versions(self, model: str) -> list[str]:
+        """Complete versions of ``model`` (those with a manifest), in natural order (v2 < v10)."""
+        base = self._join(check_name("model", model))
+        names = [n for n in self._dirs(base) if _NAME.fullmatch(n)]
+        complete = [n for n in names if self.fs.isfile(f"{base}/{n}/{MANIFEST}")]
+        return sorted(complete, key=_natural_key)
+
+    def exists(self, model: str, version: str) -> bool:
+        """Whether anything (complete or not) occupies the version directory."""
+        return bool(self.fs.exists(self.version_path(model, version)))
+
+    def manifest(self, model: str, version: str) -> Manifest:
+        """The parsed manifest; raises :class:`VersionNotFound` or :class:`IncompleteVersion`."""
+        path = self.version_path(model, version)
+        ids = {"model": model, "version": version}
+        if not self.fs.isdir(path):
+            raise VersionNotFound(f"{model}@{version} not found in {self.root}", **ids)
+        try:
+            raw = self.fs.cat_file(f"{path}/{MANIFEST}")
+        except FileNotFoundError:
+            raise IncompleteVersion(
+                f"{model}@{version} has no {MANIFEST} (an interrupted publish?)", **ids
+            ) from None
+        try:
+            manifest = Manifest.model_validate_json(raw)
+        except ValidationError as exc:
+            raise IncompleteVersion(f"{model}@{version}: invalid {MANIFEST}: {exc}", **ids) from exc
+        if (manifest.model, manifest.version) != (model, version):
+            raise TamperedVersion(
+                f"{model}@{version}: {MANIFEST} describes {manifest.model}@{manifest.version}",
+                **ids,
+            )
+        return manifest
+
+    def _remote_files(self, path: str) -> Iterator[str]:
+        for full in self.fs.find(path):
+            yield full[len(path) :].lstrip("/")
+
+    def verify(self, model: str, version: str, min_exact_match: float | None = None) -> Manifest:
+        """Re-hash every file against the manifest, then apply the eval gate."""
+        manifest = self.manifest(model, version)
+        path = self.version_path(model, version)
+        self._check_files(manifest, set(self._remote_files(path)), self._remote_hash(path))
+        return self._gate(manifest, min_exact_match)
+
+    def _remote_hash(self, base: str) -> Any:
+        def digest(rel: str) -> str:
+            h = hashlib.sha256()
+            with self.fs.open(f"{base}/{rel}", "rb") as fh:
+                while chunk := fh.read(_CHUNK):
+                    h.update(chunk)
+            return h.hexdigest()
+
+        return digest
+
+    @staticmethod
+    def _check_files(manifest: Manifest, present: set[str], digest: Any) -> None:
+        ids = {"model": manifest.model, "version": manifest.version}
+        label = f"{manifest.model}@{manifest.version}"
+        for rel, expected in sorted(manifest.files.items()):
+            if rel not in present:
+                raise TamperedVersion(
+                    f"{label}: file {rel} is listed in the manifest but missing", **ids
+                )
+            if digest(rel) != expected:
+                raise TamperedVersion(f"{label}: file {rel} does not match its sha256", **ids)
+        extra = sorted(present - set(manifest.files) - {MANIFEST})
+        if extra:
+            raise TamperedVersion(
+                f"{label}: file {extra[0]} is not listed in the manifest "
+                f"({len(extra)} unlisted file(s): {', '.join(extra)})",
+                **ids,
+            )
+
+    @staticmethod
+    def _gate(manifest: Manifest, min_exact_match: float | None) -> Manifest:
+        if min_exact_match is not None and manifest.eval.exact_match < min_exact_match:
+            raise BelowEvalGate(
+                f"{manifest.model}@{manifest.version}: exact match {manifest.eval.exact_match:.4f} "
+                f"(n={manifest.eval.n}) is below the gate {min_exact_match:.4f}",
+                model=manifest.model,
+                version=manifest.version,
+            )
+        return manifest
+
+    def local_path(self, model: str, version: str) -> str:
+        """A local directory with the version's files that an engine can load.
+
+        A local store returns the version directory itself. Any other store is downloaded once into
+        ``cache_dir`` (into a temporary directory, hash-checked, then renamed into place).
+        """
+        manifest = self.manifest(model, version)
+        if self.is_local:
+            return self.version_path(model, version)
+        digest = hashlib.sha256(self.root.encode()).hexdigest()[:16]
+        target = self._cache_dir / digest / model / version
+        if (target / MANIFEST).is_file():
+            return str(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f"{TMP_PREFIX}{version}-{secrets.token_hex(4)}"
+        try:
+            self.fs.get(self.version_path(model, version) + "/", str(tmp), recursive=True)
+            present = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()}
+            self._check_files(manifest, present, lambda rel: sha256_file(tmp / rel))
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not (target / MANIFEST).is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return str(target)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def publish(self, local_dir: str | Path, fields: Mapping[str, Any]) -> Manifest:
+        """Publish the files of ``local_dir`` as ``fields["model"]@fields["version"]``.
+
+        ``fields`` are the manifest fields other than ``files`` and ``created_at``, which are filled
+        in here. Files go to ``<model>/.tmp-<version>-<hex>/`` with the manifest last, then the
+        directory is renamed into place (atomic on a local disk; on object stores, files are moved
+        one by one with the manifest last, so a version is never listed before it is whole).
+        """
+        model, version = str(fields["model"]), str(fields["version"])
+        ids = {"model": model, "version": version}
+        final = self.version_path(model, version)
+        if self.exists(model, version):
+            where = self.uri(model, version)
+            raise VersionExists(
+                f"{model}@{version} already exists at {where}; versions are immutable, "
+                "pick a new version name",
+                **ids,
+            )
+        files = hash_tree(local_dir)
+        created = datetime.now(UTC).replace(microsecond=0)
+        manifest = Manifest.model_validate({**fields, "files": files, "created_at": created})
+        tmp = self._join(model, f"{TMP_PREFIX}{version}-{secrets.token_hex(4)}")
+        try:
+            for rel in files:
+                self.fs.makedirs(f"{tmp}/{rel}".rsplit("/", 1)[0], exist_ok=True)
+                self.fs.put_file(str(Path(local_dir) / rel), f"{tmp}/{rel}")
+            body = json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n"
+            self.fs.pipe_file(f"{tmp}/{MANIFEST}", body.encode())
+            self._rename_into_place(tmp, final, [*files, MANIFEST], ids)
+        finally:
+            if self.fs.exists(tmp):
+                self.fs.rm(tmp, recursive=True)
+        return manifest
+
+    def _rename_into_place(
+        self, tmp: str, final: str, order: list[str], ids: dict[str, str]
+    ) -> None:
+        if self.is_local:
+            try:
+                os.rename(tmp, final)  # atomic; fails if a non-empty `final` appeared meanwhile
+            except OSError as exc:
+                label = f"{ids['model']}@{ids['version']}"
+                raise VersionExists(f"{label} appeared while publishing: {exc}", **ids) from exc
+            return
+        if self.fs.exists(final):
+            raise VersionExists(f"{ids['model']}@{ids['version']} appeared while publishing", **ids)
+        for rel in order:
+            self.fs.makedirs(f"{final}/{rel}".rsplit("/", 1)[0], exist_ok=True)
+            self.fs.mv(f"{tmp}/{rel}", f"{final}/{rel}")

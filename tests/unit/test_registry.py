@@ -1,0 +1,218 @@
+"""Checkpoint store: listing, verification, error tree and publishing, on fake files (no Ray)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+
+from serving.registry import (
+    BelowEvalGate,
+    CheckpointStore,
+    IncompleteVersion,
+    Manifest,
+    RegistryError,
+    TamperedVersion,
+    VersionExists,
+    VersionNotFound,
+)
+
+_counter = itertools.count()
+
+
+def fields(model: str, version: str, score: float = 0.97, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": model,
+        "version": version,
+        "parent_version": None,
+        "task": "add",
+        "size": "tiny",
+        "steps": 1200,
+        "final_loss": 0.01,
+        "eval": {"exact_match": score, "n": 500},
+        "code_revision": "unknown",
+        **extra,
+    }
+
+
+def put(store: CheckpointStore, path: str, data: bytes) -> None:
+    store.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    store.fs.pipe_file(path, data)
+
+
+def fake_checkpoint(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text('{"model_type": "llama"}')
+    (directory / "model.safetensors").write_bytes(b"\x00weights\x01" * 100)
+    (directory / "tokenizer").mkdir(exist_ok=True)
+    (directory / "tokenizer" / "tokenizer.json").write_text("{}")
+    return directory
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CheckpointStore]:
+    if request.param == "local":
+        yield CheckpointStore(str(tmp_path / "store"), cache_dir=tmp_path / "cache")
+        return
+    root = f"memory://registry-test-{next(_counter)}"
+    yield CheckpointStore(root, cache_dir=tmp_path / "cache")
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+@pytest.fixture
+def published(store: CheckpointStore, tmp_path: Path) -> CheckpointStore:
+    src = fake_checkpoint(tmp_path / "src")
+    for version, score in [("v1", 0.97), ("v2", 0.5), ("v10", 0.99)]:
+        store.publish(src, fields("adder", version, score))
+    store.publish(src, fields("subber", "v1", 0.95, parent_version=None, task="sub"))
+    return store
+
+
+def test_publish_writes_layout_and_manifest(published: CheckpointStore) -> None:
+    fs, path = published.fs, published.version_path("adder", "v1")
+    names = sorted(p[len(path) + 1 :] for p in fs.find(path))
+    assert names == [
+        "config.json", "manifest.json", "model.safetensors", "tokenizer/tokenizer.json"
+    ]
+    raw = json.loads(fs.cat_file(f"{path}/manifest.json"))
+    assert set(raw["files"]) == {"config.json", "model.safetensors", "tokenizer/tokenizer.json"}
+    assert raw["created_at"].endswith("Z")
+    assert not [p for p in fs.find(published._join("adder")) if "/.tmp-" in p]
+
+
+def test_listing(published: CheckpointStore) -> None:
+    assert published.list_models() == ["adder", "subber"]
+    assert published.list_versions("adder") == ["v1", "v2", "v10"]
+    assert published.list_versions("nobody") == []
+
+
+def test_listing_ignores_partial_runs_and_tmp_dirs(published: CheckpointStore) -> None:
+    put(published, published._join("adder", ".tmp-v3-abcd", "model.safetensors"), b"partial")
+    put(published, published._join("adder", ".runs", "v3", "job.json"), b"{}")
+    put(published, published._join("adder", "v4", "config.json"), b"{}")  # no manifest
+    put(published, published._join("ghost", ".runs", "v1", "job.json"), b"{}")
+    assert published.list_versions("adder") == ["v1", "v2", "v10"]
+    assert published.list_models() == ["adder", "subber"]
+    with pytest.raises(IncompleteVersion, match="no manifest.json"):
+        published.verify("adder", "v4")
+
+
+def test_manifest_and_verify_ok(published: CheckpointStore) -> None:
+    manifest = published.manifest("adder", "v10")
+    assert isinstance(manifest, Manifest)
+    assert (manifest.model, manifest.version, manifest.eval.exact_match) == ("adder", "v10", 0.99)
+    assert published.verify("adder", "v10", min_exact_match=0.9) == manifest
+
+
+def test_extra_manifest_fields_are_kept(store: CheckpointStore, tmp_path: Path) -> None:
+    src = fake_checkpoint(tmp_path / "src")
+    store.publish(src, fields("adder", "v1", seed=7, wall_s=12.5))
+    manifest = store.verify("adder", "v1")
+    assert manifest.model_extra == {"seed": 7, "wall_s": 12.5}
+
+
+def test_missing_version(published: CheckpointStore) -> None:
+    with pytest.raises(VersionNotFound, match="adder@v9 not found") as info:
+        published.verify("adder", "v9")
+    assert isinstance(info.value, RegistryError)
+    assert (info.value.model, info.value.version) == ("adder", "v9")
+    with pytest.raises(VersionNotFound):
+        published.manifest("nobody", "v1")
+
+
+def test_invalid_manifest(published: CheckpointStore) -> None:
+    path = published.version_path("adder", "v1")
+    published.fs.pipe_file(f"{path}/manifest.json", b'{"model": "adder"}')
+    with pytest.raises(IncompleteVersion, match="invalid manifest.json"):
+        published.verify("adder", "v1")
+    published.fs.pipe_file(f"{path}/manifest.json", b"not json")
+    with pytest.raises(IncompleteVersion):
+        published.manifest("adder", "v1")
+
+
+def test_manifest_of_another_version(published: CheckpointStore) -> None:
+    src = published.version_path("adder", "v1")
+    dst = published.version_path("adder", "v2")
+    published.fs.pipe_file(f"{dst}/manifest.json", published.fs.cat_file(f"{src}/manifest.json"))
+    with pytest.raises(TamperedVersion, match="describes adder@v1"):
+        published.verify("adder", "v2")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("modify", "file model.safetensors does not match its sha256"),
+        ("delete", "file tokenizer/tokenizer.json is listed in the manifest but missing"),
+        ("extra", "file model-00002.safetensors is not listed in the manifest"),
+    ],
+)
+def test_tampered(published: CheckpointStore, change: str, message: str) -> None:
+    fs, path = published.fs, published.version_path("adder", "v1")
+    if change == "modify":
+        fs.pipe_file(f"{path}/model.safetensors", b"\x00weights\x02" * 100)
+    elif change == "delete":
+        fs.rm(f"{path}/tokenizer/tokenizer.json")
+    else:
+        fs.pipe_file(f"{path}/model-00002.safetensors", b"more weights")
+    with pytest.raises(TamperedVersion, match=message):
+        published.verify("adder", "v1")
+    published.verify("adder", "v10")  # other versions unaffected
+
+
+def test_below_eval_gate(published: CheckpointStore) -> None:
+    expected = r"adder@v2: exact match 0\.5000 \(n=500\) is below the gate 0\.9000"
+    with pytest.raises(BelowEvalGate, match=expected):
+        published.verify("adder", "v2", min_exact_match=0.9)
+    assert published.verify("adder", "v2", min_exact_match=0.5).eval.exact_match == 0.5
+    assert published.verify("adder", "v2").version == "v2"  # no gate
+
+
+def test_publish_refuses_to_overwrite(published: CheckpointStore, tmp_path: Path) -> None:
+    before = published.fs.cat_file(published.version_path("adder", "v1") + "/manifest.json")
+    other = tmp_path / "other"
+    fake_checkpoint(other)
+    (other / "model.safetensors").write_bytes(b"different")
+    with pytest.raises(VersionExists, match="adder@v1 already exists"):
+        published.publish(other, fields("adder", "v1"))
+    after = published.fs.cat_file(published.version_path("adder", "v1") + "/manifest.json")
+    assert before == after
+    published.verify("adder", "v1")
+
+
+def test_invalid_names_are_rejected(store: CheckpointStore, tmp_path: Path) -> None:
+    src = fake_checkpoint(tmp_path / "src")
+    for bad in ["../escape", ".runs", ".tmp-v1", "a/b", ""]:
+        with pytest.raises(ValueError, match="invalid version name"):
+            store.publish(src, fields("adder", bad))
+    with pytest.raises(ValueError, match="invalid model name"):
+        store.list_versions("../x")
+
+
+def test_local_path(published: CheckpointStore) -> None:
+    path = Path(published.local_path("adder", "v1"))
+    assert (path / "model.safetensors").read_bytes() == b"\x00weights\x01" * 100
+    assert (path / "tokenizer" / "tokenizer.json").is_file()
+    if published.is_local:
+        assert str(path) == published.version_path("adder", "v1")
+    else:
+        assert path.is_relative_to(published._cache_dir)
+        assert published.local_path("adder", "v1") == str(path)  # cached
+        assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
+    with pytest.raises(VersionNotFound):
+        published.local_path("adder", "v9")
+
+
+def test_local_path_refuses_tampered_download(tmp_path: Path) -> None:
+    store = CheckpointStore(f"memory://registry-test-{next(_counter)}", cache_dir=tmp_path / "c")
+    store.publish(fake_checkpoint(tmp_path / "src"), fields("adder", "v1"))
+    store.fs.pipe_file(store.version_path("adder", "v1") + "/config.json", b"{}")
+    with pytest.raises(TamperedVersion, match="config.json"):
+        store.local_path("adder", "v1")
+    assert not list((tmp_path / "c").rglob("manifest.json"))
