@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from serving.config import ModelConfig, ModelVersion, StackConfig
+from serving.config import AutoscalingConfig, ModelConfig, ModelVersion, StackConfig
 from serving.models.engine import EngineSpec
 from serving.models.routers import ROUTER_CLASSES
 
@@ -73,6 +73,19 @@ def _placement(m: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _autoscaling(a: AutoscalingConfig) -> dict[str, Any]:
+    return {
+        "min_replicas": a.min_replicas,
+        "max_replicas": a.max_replicas,
+        "initial_replicas": a.initial_replicas,
+        "target_ongoing_requests": a.target_ongoing_requests,
+        "upscale_delay_s": a.upscale_delay_s,
+        "downscale_delay_s": a.downscale_delay_s,
+        "metrics_interval_s": a.metrics_interval_s,
+        "look_back_period_s": a.look_back_period_s,
+    }
+
+
 def _model_deployment(m: ModelConfig, name: str) -> dict[str, Any]:
     d = m.deployment
     out: dict[str, Any] = {
@@ -86,17 +99,7 @@ def _model_deployment(m: ModelConfig, name: str) -> dict[str, Any]:
         **_placement(m),
     }
     if d.autoscaling is not None:
-        a = d.autoscaling
-        out["autoscaling_config"] = {
-            "min_replicas": a.min_replicas,
-            "max_replicas": a.max_replicas,
-            "initial_replicas": a.initial_replicas,
-            "target_ongoing_requests": a.target_ongoing_requests,
-            "upscale_delay_s": a.upscale_delay_s,
-            "downscale_delay_s": a.downscale_delay_s,
-            "metrics_interval_s": a.metrics_interval_s,
-            "look_back_period_s": a.look_back_period_s,
-        }
+        out["autoscaling_config"] = _autoscaling(d.autoscaling)
     else:
         out["num_replicas"] = d.num_replicas
     router = ROUTER_CLASSES[d.router]
@@ -147,7 +150,8 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
         "deployments": [
             {
                 "name": "Gateway",
-                "num_replicas": g.num_replicas,
+                **({"autoscaling_config": _autoscaling(g.autoscaling)} if g.autoscaling
+                   else {"num_replicas": g.num_replicas}),  # fmt: skip
                 "max_ongoing_requests": 1000,
                 "ray_actor_options": {"num_cpus": g.num_cpus},
                 "user_config": routing_user_config(cfg),

@@ -72,7 +72,7 @@ def up(config: Path = ConfigOpt, timeout: float = typer.Option(900, help="Second
     cfg = _load(config)
     try:
         state = stack_up(cfg, config.resolve().parent, LOCAL_ENV, timeout, log=console.print)
-    except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
+    except (RuntimeError, TimeoutError, FileNotFoundError, ConfigError) as exc:
         console.print(f"serving up failed: {exc}", style="red", markup=False)
         console.print(f"Stop what started with: serving down -c {config}", markup=False)
         raise typer.Exit(1) from None

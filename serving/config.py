@@ -176,7 +176,10 @@ class GatewayConfig(_Strict):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1, description="Fixed gateway replicas (ignored if autoscaling).")
+    autoscaling: AutoscalingConfig | None = Field(
+        None, description="Scale gateway replicas on their own in-flight requests."
+    )
     num_cpus: float = Field(0.5, gt=0)
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
     retries: int = Field(2, ge=0, le=10, description="Retries on another replica before first byte.")

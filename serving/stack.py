@@ -24,6 +24,7 @@ import httpx
 
 from serving.app import build_serve_config
 from serving.config import LocalRayConfig, StackConfig
+from serving.models.engine import check_layout
 
 __all__ = [
     "StackState", "deploy", "ensure_models", "serve_status", "start_ray", "stop_stack", "up",
@@ -79,20 +80,24 @@ def _alive(pid: int) -> bool:
 
 
 def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
-    """Train every version that is missing locally and has a recipe; fail clearly otherwise."""
+    """Train every version that is missing locally and has a recipe; fail clearly otherwise;
+    then check each model's parallel layout against its checkpoint and this machine."""
     for m in cfg.models:
         for v in m.versions:
             path = cfg.version_path(m, v, base)
-            if "://" in path or (Path(path) / "config.json").exists():
+            if "://" in path:
                 continue
-            if v.recipe is None:
-                raise FileNotFoundError(f"{m.name}@{v.version}: no checkpoint at {path} and no recipe")
-            log(f"building {m.name}@{v.version} ({v.recipe.task}, {v.recipe.size}) with the training job...")
-            from training.train import train
+            if not (Path(path) / "config.json").exists():
+                if v.recipe is None:
+                    raise FileNotFoundError(f"{m.name}@{v.version}: no checkpoint at {path} and no recipe")
+                log(f"building {m.name}@{v.version} ({v.recipe.task}, {v.recipe.size}) with the training job...")
+                from training.train import train
 
-            root = str(Path(path).parent.parent)
-            train(model=m.name, version=v.version, task=v.recipe.task, root=root,
-                  size=v.recipe.size, steps=v.recipe.steps, seed=v.recipe.seed)  # fmt: skip
+                p = Path(path)  # <root>/<model>/<version>
+                train(model=p.parent.name, version=p.name, task=v.recipe.task, root=str(p.parent.parent),
+                      size=v.recipe.size, steps=v.recipe.steps, seed=v.recipe.seed)  # fmt: skip
+            hf = json.loads((Path(path) / "config.json").read_text())
+            check_layout(m, hf, float(cfg.local_ray.num_cpus), None)
 
 
 def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str) -> StackState:

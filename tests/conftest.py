@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,28 +55,21 @@ def _write_config(keys: dict[str, str]) -> Path:
     return GENERATED
 
 
-@pytest.fixture(scope="session")
-def stack() -> Iterator[Stack]:
+@contextmanager
+def running_stack(config: Path, env: dict[str, str] | None = None, reuse: bool = False) -> Iterator[Stack]:
+    """``serving up`` a stack config, yield it, ``serving down`` it (even when up fails)."""
     from serving.config import load_config
 
-    keys = _keys()
-    reuse = os.environ.get("SERVING_REUSE_STACK") == "1"
-    config = GENERATED if reuse else _write_config(keys)
     cfg = load_config(config)
-    env = {**os.environ, **{f"ITEST_KEY_{n.upper()}": k for n, k in keys.items()}}
+    full_env = {**os.environ, **(env or {})}
 
     def run(*args: str, timeout: float) -> None:
-        subprocess.run([SERVING, *args, "-c", str(config)], cwd=ROOT, env=env, check=True, timeout=timeout)
+        subprocess.run([SERVING, *args, "-c", str(config)], cwd=ROOT, env=full_env, check=True, timeout=timeout)
 
     try:
         if not reuse:
             run("up", timeout=2400)
-        yield Stack(f"http://{cfg.gateway.host}:{cfg.gateway.port}", config, keys)
+        yield Stack(f"http://{cfg.gateway.host}:{cfg.gateway.port}", config, {})
     finally:
         if not reuse:
             run("down", timeout=300)
-
-
-@pytest.fixture(scope="session")
-def base_url(stack: Stack) -> str:
-    return stack.url

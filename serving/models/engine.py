@@ -9,9 +9,9 @@ import os
 
 from pydantic import BaseModel, ConfigDict
 
-from serving.config import EngineConfig
+from serving.config import ConfigError, EngineConfig, ModelConfig
 
-__all__ = ["EngineSpec", "cpu_bind_groups", "vllm_command", "vllm_env"]
+__all__ = ["EngineSpec", "check_layout", "cpu_bind_groups", "vllm_command", "vllm_env"]
 
 
 class EngineSpec(BaseModel):
@@ -96,3 +96,28 @@ def vllm_env(spec: EngineSpec) -> dict[str, str]:
         if world > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(world, sorted(os.sched_getaffinity(0)))
     return env
+
+
+def check_layout(model: ModelConfig, hf_config: dict[str, object] | None, node_cpus: float | None,
+                 node_gpus: float | None) -> None:  # fmt: skip
+    """Reject parallel layouts that cannot work, with a message naming the model and field:
+    attention (and KV) heads not divisible by the TP size, or one replica's ranks needing more
+    CPUs/GPUs than a node has (a replica's ranks are packed on one node)."""
+    e, d = model.engine, model.deployment
+    tp, world = e.tensor_parallel_size, e.tensor_parallel_size * e.pipeline_parallel_size
+    where = f"models[{model.name}]"
+    if hf_config:
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            heads = hf_config.get(key)
+            if isinstance(heads, int) and heads % tp:
+                raise ConfigError(f"{where}.engine.tensor_parallel_size: {tp} does not divide {key}={heads}")
+        layers = hf_config.get("num_hidden_layers")
+        if isinstance(layers, int) and layers < e.pipeline_parallel_size:
+            raise ConfigError(f"{where}.engine.pipeline_parallel_size: {e.pipeline_parallel_size} "
+                              f"stages but only {layers} layers")  # fmt: skip
+    if node_cpus is not None and world * d.cpus_per_rank > node_cpus:
+        raise ConfigError(f"{where}.engine: {world} ranks x {d.cpus_per_rank} CPUs need "
+                          f"{world * d.cpus_per_rank:g} CPUs on one node, the node has {node_cpus:g}")  # fmt: skip
+    if d.gpus_per_rank and node_gpus is not None and world * d.gpus_per_rank > node_gpus:
+        raise ConfigError(f"{where}.engine: {world} ranks x {d.gpus_per_rank} GPUs need "
+                          f"{world * d.gpus_per_rank:g} GPUs on one node, the node has {node_gpus:g}")  # fmt: skip

@@ -9,7 +9,7 @@ from serving.errors import NotFound
 from serving.gateway.routing import RoutingTable
 from serving.models.engine import EngineSpec, cpu_bind_groups, vllm_command, vllm_env
 from serving.models.routers import pick_by_session
-from serving.config import EngineConfig
+from serving.config import EngineConfig, ModelConfig
 
 TABLE = {
     "default_model": "adder",
@@ -79,3 +79,33 @@ def test_engine_command_and_env() -> None:
     assert cpu_bind_groups(2, [0, 1, 2, 3]) == "0,1|2,3"
     with pytest.raises(ValueError):
         cpu_bind_groups(4, [0, 1])
+
+
+def _model(**engine: object) -> ModelConfig:
+    from serving.config import ModelConfig
+
+    return ModelConfig.model_validate({"name": "m", "versions": [{"version": "v1"}], "engine": engine})
+
+
+def test_layout_checks() -> None:
+    from serving.config import ConfigError
+    from serving.models.engine import check_layout
+
+    hf = {"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 3}
+    check_layout(_model(tensor_parallel_size=2), hf, 8, None)
+    with pytest.raises(ConfigError, match=r"models\[m\].engine.tensor_parallel_size: 3 does not divide num_attention_heads=4"):
+        check_layout(_model(tensor_parallel_size=3), hf, 8, None)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size: 4 stages but only 3 layers"):
+        check_layout(_model(pipeline_parallel_size=4), hf, 8, None)
+    with pytest.raises(ConfigError, match="need 4 CPUs on one node, the node has 2"):
+        check_layout(_model(tensor_parallel_size=4), {"num_attention_heads": 8}, 2, None)
+
+
+def test_gateway_autoscaling_renders() -> None:
+    from serving.app import build_serve_config
+    from serving.config import parse_config
+
+    cfg = parse_config({"auth": {"mode": "open"}, "gateway": {"autoscaling": {"min_replicas": 1, "max_replicas": 4}},
+                        "models": [{"name": "m", "versions": [{"version": "v1"}]}]})  # fmt: skip
+    gw = build_serve_config(cfg)["applications"][0]["deployments"][0]
+    assert gw["autoscaling_config"]["max_replicas"] == 4 and "num_replicas" not in gw

@@ -1,0 +1,98 @@
+"""Per-model autoscaling, scale-to-zero and tensor parallelism on the real stack (issue 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import Stack, running_stack
+
+pytestmark = pytest.mark.e2e
+
+CONFIG = Path(__file__).with_name("scaling-stack.yaml")
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with running_stack(CONFIG) as s:
+        yield s
+
+
+def _running(stack: Stack) -> dict[str, int]:
+    from serving.config import load_config
+    from serving.stack import StackState, serve_status
+
+    state = StackState.load(load_config(stack.config).name)
+    assert state is not None
+    apps = serve_status(state)["applications"]
+    return {
+        name: sum(r.get("state") == "RUNNING" for d in a["deployments"].values() for r in d.get("replicas", []))
+        for name, a in apps.items()
+    }
+
+
+def _complete(stack: Stack, model: str, prompt: str, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{stack.url}/v1/completions", timeout=timeout,
+                      json={"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0})  # fmt: skip
+
+
+def test_tensor_parallel_2_matches_tp_1(stack: Stack) -> None:
+    prompts = [f"{a}+{b}=" for a, b in [(12, 30), (7, 5), (45, 37), (60, 21), (9, 9), (33, 44)]]
+    tp1 = [_complete(stack, "scaler", p).json()["choices"][0]["text"] for p in prompts]
+    tp2 = [_complete(stack, "tp2", p).json()["choices"][0]["text"] for p in prompts]
+    assert tp1 == tp2
+
+
+def test_scale_to_zero_model_answers_after_cold_start(stack: Stack) -> None:
+    assert _running(stack)["cold--v1"] == 0
+    started = time.monotonic()
+    r = _complete(stack, "cold", "12+30=", timeout=400)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].strip() == "42"
+    assert _running(stack)["cold--v1"] == 1
+    print(f"cold start answered after {time.monotonic() - started:.0f}s")
+
+
+def test_one_model_scales_up_and_back_the_other_stays(stack: Stack) -> None:
+    assert _running(stack)["scaler--v1"] == 1
+    tp2_before = _running(stack)["tp2--v1"]
+    stop = threading.Event()
+
+    async def load() -> int:
+        async with httpx.AsyncClient(timeout=120) as c:
+            async def worker() -> int:
+                n = 0
+                while not stop.is_set():
+                    r = await c.post(f"{stack.url}/v1/completions", json={
+                        "model": "scaler", "prompt": "12+30=", "max_tokens": 40, "ignore_eos": True})
+                    n += r.status_code == 200
+                return n
+            return sum(await asyncio.gather(*(worker() for _ in range(8))))
+
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(asyncio.run(load())))
+    t.start()
+    try:
+        deadline, peak = time.monotonic() + 300, 1
+        while time.monotonic() < deadline and peak < 2:
+            time.sleep(3)
+            counts = _running(stack)
+            peak = max(peak, counts["scaler--v1"])
+            assert counts["tp2--v1"] == tp2_before  # scaling one model never moves another
+    finally:
+        stop.set()
+        t.join(timeout=180)
+    assert peak == 2, "scaler did not scale up under load"
+    assert result and result[0] > 0
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and _running(stack)["scaler--v1"] > 1:
+        time.sleep(3)
+    counts = _running(stack)
+    assert counts["scaler--v1"] == 1, "scaler did not scale back to its minimum"
+    assert counts["tp2--v1"] == tp2_before
