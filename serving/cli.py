@@ -208,6 +208,14 @@ def render_k8s(
         raise typer.Exit(1)
 
 
+@app.command("config-reference")
+def config_reference() -> None:
+    """Print the Markdown reference of every stack-config field (docs/configuration.md)."""
+    from serving.reference import config_reference as ref
+
+    sys.stdout.write(ref())
+
+
 @app.command("validate")
 def validate(config: Path = ConfigOpt) -> None:
     """Validate a stack config file and print it normalised."""

@@ -46,12 +46,12 @@ class EngineConfig(_Strict):
     """vLLM engine arguments for one model. Known fields are typed; the rest go in ``extra_args``."""
 
     max_model_len: int = Field(256, ge=8, description="Context length (prompt + completion tokens).")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights and activations dtype.")
     max_num_seqs: int = Field(64, ge=1, description="Sequences batched at once per replica.")
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
-    pipeline_parallel_size: int = Field(1, ge=1, le=64)
-    enable_prefix_caching: bool = True
-    seed: int = 0
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Ranks per replica that split each layer.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Pipeline stages per replica.")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV cache of shared prompt prefixes.")
+    seed: int = Field(0, description="Engine seed (requests may set their own `seed`).")
     kv_cache_space_gib: int = Field(
         1, ge=1, description="CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
     )
@@ -65,16 +65,16 @@ class EngineConfig(_Strict):
 class AutoscalingConfig(_Strict):
     """Ray Serve autoscaling for one model's deployment; defaults that really scale."""
 
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    initial_replicas: int | None = Field(None, ge=0)
+    min_replicas: int = Field(1, ge=0, description="0 allows scale to zero (cold start on first request).")
+    max_replicas: int = Field(1, ge=1, description="Upper bound of replicas.")
+    initial_replicas: int | None = Field(None, ge=0, description="Replicas at deploy time (default min).")
     target_ongoing_requests: float = Field(
         8, gt=0, description="Concurrent requests per replica the autoscaler aims for."
     )
-    upscale_delay_s: float = Field(10, ge=0)
-    downscale_delay_s: float = Field(60, ge=0)
-    metrics_interval_s: float = Field(2, gt=0)
-    look_back_period_s: float = Field(10, gt=0)
+    upscale_delay_s: float = Field(10, ge=0, description="Load must stay high this long before adding.")
+    downscale_delay_s: float = Field(60, ge=0, description="Load must stay low this long before removing.")
+    metrics_interval_s: float = Field(2, gt=0, description="How often replicas report their load.")
+    look_back_period_s: float = Field(10, gt=0, description="Window the load is averaged over.")
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingConfig:
@@ -93,12 +93,14 @@ class DeploymentOptions(_Strict):
     """How a model's replicas are run by Ray Serve."""
 
     num_replicas: int = Field(1, ge=1, description="Fixed replica count (ignored if autoscaling).")
-    autoscaling: AutoscalingConfig | None = None
+    autoscaling: AutoscalingConfig | None = Field(None, description="If set, replaces num_replicas.")
     max_ongoing_requests: int = Field(64, ge=1, description="Requests leased to one replica at once.")
     max_queued_requests: int = Field(
         256, ge=1, description="Requests waiting per gateway for a replica; beyond that: 429."
     )
-    router: RouterName = "power_of_two"
+    router: RouterName = Field(
+        "power_of_two", description="Replica choice: power_of_two, prefix_affinity or session_affinity."
+    )
     cpus_per_rank: float = Field(1.0, gt=0, description="CPU reserved per TP/PP rank.")
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per rank (0 = CPU engine).")
     startup_timeout_s: float = Field(600, gt=0, description="Engine start before the replica fails.")
@@ -110,16 +112,16 @@ class DeploymentOptions(_Strict):
 class TrainRecipe(_Strict):
     """How ``serving up`` builds a missing version locally with the training job (no model hub)."""
 
-    task: Literal["add", "sub"]
-    size: Literal["tiny", "small"] = "tiny"
+    task: Literal["add", "sub"] = Field(description="Arithmetic task the job trains on.")
+    size: Literal["tiny", "small"] = Field("tiny", description="tiny: 3x128 layers; small: 4x256.")
     steps: int | None = Field(None, ge=1, description="Default: the job's default for the size.")
-    seed: int = 0
+    seed: int = Field(0, description="Data and initialisation seed.")
 
 
 class ModelVersion(_Strict):
     """One servable version of a model: its weights and its share of the model's traffic."""
 
-    version: str
+    version: str = Field(description="Version name (a folder of the checkpoint store).")
     path: str | None = Field(
         None, description="Checkpoint directory; default <checkpoint_root>/<model>/<version>."
     )
@@ -137,11 +139,11 @@ class ModelVersion(_Strict):
 class ModelConfig(_Strict):
     """One model: its versions (one Serve deployment each), aliases, engine and deployment options."""
 
-    name: str
-    aliases: list[str] = Field(default_factory=list)
-    versions: list[ModelVersion] = Field(min_length=1)
-    engine: EngineConfig = EngineConfig()
-    deployment: DeploymentOptions = DeploymentOptions()
+    name: str = Field(description="Model id clients send in `model`.")
+    aliases: list[str] = Field(default_factory=list, description="Other names that route to this model.")
+    versions: list[ModelVersion] = Field(min_length=1, description="Deployed versions and their weights.")
+    engine: EngineConfig = Field(EngineConfig(), description="vLLM engine arguments.")
+    deployment: DeploymentOptions = Field(DeploymentOptions(), description="Ray Serve options.")
     eval_gate: float | None = Field(
         None, ge=0, le=1, description="Minimum held-out exact match a version needs to be promoted."
     )
@@ -174,16 +176,16 @@ class ModelConfig(_Strict):
 class GatewayConfig(_Strict):
     """The OpenAI-compatible ingress."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    host: str = Field("127.0.0.1", description="Bind address (0.0.0.0 on Kubernetes).")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API.")
     num_replicas: int = Field(1, ge=1, description="Fixed gateway replicas (ignored if autoscaling).")
     autoscaling: AutoscalingConfig | None = Field(
         None, description="Scale gateway replicas on their own in-flight requests."
     )
-    num_cpus: float = Field(0.5, gt=0)
+    num_cpus: float = Field(0.5, gt=0, description="Logical CPUs reserved per gateway replica.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
     retries: int = Field(2, ge=0, le=10, description="Retries on another replica before first byte.")
-    upstream_timeout_s: float = Field(600, gt=0)
+    upstream_timeout_s: float = Field(600, gt=0, description="Longest wait for a replica's bytes.")
     default_model: str | None = Field(None, description="Model used when a request names none.")
     expose_replica_header: bool = Field(
         False, description="Add x-replica (the serving replica) to responses; for debugging."
@@ -193,7 +195,7 @@ class GatewayConfig(_Strict):
 class TenantConfig(_Strict):
     """A client team: its API keys (never in plain text here), models, limits and priority."""
 
-    name: str
+    name: str = Field(description="Tenant id (a metrics label).")
     key_hashes: list[str] = Field(
         default_factory=list, description="Salted hashes from `serving keys new` (sha256$salt$hex)."
     )
@@ -231,8 +233,8 @@ class TenantConfig(_Strict):
 class AuthConfig(_Strict):
     """API keys and quotas. ``mode: open`` (no keys) is for local development only, and loud."""
 
-    mode: Literal["keys", "open"] = "keys"
-    tenants: list[TenantConfig] = Field(default_factory=list)
+    mode: Literal["keys", "open"] = Field("keys", description="keys: API keys required; open: none (dev).")
+    tenants: list[TenantConfig] = Field(default_factory=list, description="Client teams and their keys.")
     window_s: float = Field(60, gt=0, description="Rate-limit window (RPM/TPM are per window).")
 
     @model_validator(mode="after")
@@ -248,8 +250,8 @@ class AuthConfig(_Strict):
 class LocalRayConfig(_Strict):
     """The local Ray head that ``serving up`` starts (loopback only). Not used on Kubernetes."""
 
-    gcs_port: int = Field(6379, ge=1024, le=65535)
-    dashboard_port: int = Field(8265, ge=1024, le=65535)
+    gcs_port: int = Field(6379, ge=1024, le=65535, description="Ray GCS port of the local head.")
+    dashboard_port: int = Field(8265, ge=1024, le=65535, description="Dashboard/job API (loopback, token auth).")
     metrics_export_port: int = Field(
         8080, ge=1024, le=65535, description="Ray's Prometheus endpoint (all stack metrics)."
     )
@@ -261,12 +263,12 @@ class LocalRayConfig(_Strict):
 class StackConfig(_Strict):
     """A whole environment: gateway plus models."""
 
-    name: str = "local"
+    name: str = Field("local", description="Stack name: local state in .run/<name>.*.")
     checkpoint_root: str = Field("checkpoints", description="Local path or fsspec URI.")
-    gateway: GatewayConfig = GatewayConfig()
+    gateway: GatewayConfig = Field(GatewayConfig(), description="The OpenAI-compatible ingress.")
     auth: AuthConfig = Field(description="Required: keys and tenants, or an explicit `mode: open`.")
-    local_ray: LocalRayConfig = LocalRayConfig()
-    models: list[ModelConfig] = Field(min_length=1)
+    local_ray: LocalRayConfig = Field(LocalRayConfig(), description="Only for `serving up`.")
+    models: list[ModelConfig] = Field(min_length=1, description="Models served at the same time.")
 
     @model_validator(mode="after")
     def _unique_names(self) -> StackConfig:

@@ -115,3 +115,10 @@ def test_relative_checkpoint_paths_resolve_from_the_config_folder() -> None:
     cfg = load_config(ROOT / "deployments/local.yaml")
     sc = build_serve_config(cfg, ROOT / "deployments")
     assert sc["applications"][1]["args"]["spec"]["path"] == str(ROOT / "checkpoints/adder/v1")
+
+
+def test_configuration_reference_is_current() -> None:
+    from serving.reference import config_reference
+
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    assert doc == config_reference(), "run: serving config-reference > docs/configuration.md"

@@ -1,0 +1,163 @@
+"""Train -> serve -> promote under load -> refuse or roll back broken versions (issue 3).
+
+v1 of model ``arith`` is the addition checkpoint the training job built for the main stack
+(copied into this test's own store); v2 is trained here on subtraction, a visibly different task.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import ROOT, SERVING, Stack, running_stack
+
+pytestmark = pytest.mark.e2e
+
+PAIRS = [(a, b) for a in range(11, 99, 7) for b in range(3, 90, 13)][:60]
+
+
+def _config(tmp: Path) -> Path:
+    data = {
+        "name": "promotest", "checkpoint_root": str(tmp / "store"),
+        "gateway": {"port": 8013}, "auth": {"mode": "open"},
+        "local_ray": {"gcs_port": 6394, "dashboard_port": 8279, "metrics_export_port": 8089, "num_cpus": 8},
+        "models": [{"name": "arith", "eval_gate": 0.9, "versions": [{"version": "v1"}],
+                    "engine": {"max_model_len": 64, "dtype": "float32", "max_num_seqs": 32}}],
+    }  # fmt: skip
+    path = tmp / "promotest.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from training.train import train
+
+    tmp = tmp_path_factory.mktemp("promotion")
+    source = ROOT / "checkpoints" / "adder" / "v1"
+    if not (source / "manifest.json").exists():  # built by `serving up` of the main stacks
+        train("adder", "v1", "add", str(ROOT / "checkpoints"))
+    shutil.copytree(source, tmp / "store" / "arith" / "v1")
+    train("arith", "v2", "sub", str(tmp / "store"), parent=None)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def stack(store: Path) -> Iterator[Stack]:
+    routes = ROOT / ".run" / "promotest.versions.json"  # promotion state of earlier runs
+    routes.unlink(missing_ok=True)
+    try:
+        with running_stack(_config(store)) as s:
+            yield s
+    finally:
+        routes.unlink(missing_ok=True)
+
+
+def _answer(url: str, model: str, prompt: str) -> tuple[int, str]:
+    r = httpx.post(f"{url}/v1/completions", timeout=120,
+                   json={"model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0})  # fmt: skip
+    return r.status_code, (r.json()["choices"][0]["text"].strip() if r.status_code == 200 else r.text)
+
+
+def _exact(url: str, model: str, op: str) -> float:
+    want = (lambda a, b: a + b) if op == "+" else (lambda a, b: a - b)
+    return sum(_answer(url, model, f"{a}{op}{b}=") == (200, str(want(a, b))) for a, b in PAIRS) / len(PAIRS)
+
+
+def _promote(stack: Stack, version: str, steps: str = "10,50,100") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SERVING, "promote", "arith", version, "-c", str(stack.config), "--steps", steps,
+                           "--step-seconds", "8"], cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+
+
+def test_promotion_under_load_then_broken_versions(stack: Stack, store: Path) -> None:
+    v1_add = _exact(stack.url, "arith", "+")
+    assert v1_add >= 0.9, v1_add
+
+    stop, outcomes, v1_answers = threading.Event(), Counter[str](), []
+
+    def load() -> None:
+        i = 0
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set():
+                a, b = PAIRS[i % len(PAIRS)]
+                i += 1
+                stream = i % 3 == 0
+                r = c.post(f"{stack.url}/v1/completions", json={"model": "arith", "prompt": f"{a}+{b}=",
+                           "max_tokens": 5, "temperature": 0, "stream": stream})  # fmt: skip
+                ok = r.status_code == 200 and (not stream or r.text.rstrip().endswith("data: [DONE]"))
+                ok = ok and '"error"' not in r.text
+                outcomes["ok" if ok else f"fail-{r.status_code}"] += 1
+                if i % 5 == 0:
+                    v1_answers.append(_answer(stack.url, "arith@v1", f"{a}+{b}="))
+
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        proc = _promote(stack, "v2")
+    finally:
+        stop.set()
+        t.join(timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "promoted: arith@v2" in proc.stdout
+    # zero failed requests during the promotion
+    assert outcomes["ok"] > 20 and set(outcomes) == {"ok"}, outcomes
+    # arith@v1 answered as v1 (addition) until it was removed, then it is unknown
+    statuses = [s for s, _ in v1_answers]
+    assert statuses and set(statuses) <= {200, 404}
+    first_404 = statuses.index(404) if 404 in statuses else len(statuses)
+    assert all(s == 200 for s in statuses[:first_404]) and all(s == 404 for s in statuses[first_404:])
+    assert _answer(stack.url, "arith@v1", "12+30=")[0] == 404
+
+    # after it: v2's task at v2's manifest score (within a few points)
+    manifest = json.loads((store / "store" / "arith" / "v2" / "manifest.json").read_text())
+    v2_sub = _exact(stack.url, "arith", "-")
+    assert v2_sub >= manifest["eval"]["exact_match"] - 0.05, (v2_sub, manifest["eval"])
+
+    # v3: corrupt weights -> refused by the registry, nothing deployed
+    v3 = store / "store" / "arith" / "v3"
+    shutil.copytree(store / "store" / "arith" / "v2", v3)
+    with open(v3 / "model.safetensors", "r+b") as f:
+        f.seek(200)
+        f.write(b"\x00" * 64)
+    proc = _promote(stack, "v3")
+    assert proc.returncode != 0 and "refused" in proc.stdout and "model.safetensors" in proc.stdout
+
+    # v4: below the eval gate -> refused
+    v4 = store / "store" / "arith" / "v4"
+    shutil.copytree(store / "store" / "arith" / "v2", v4)
+    m4 = json.loads((v4 / "manifest.json").read_text())
+    m4["version"], m4["eval"]["exact_match"] = "v4", 0.31
+    (v4 / "manifest.json").write_text(json.dumps(m4))
+    proc = _promote(stack, "v4")
+    assert proc.returncode != 0 and "below the gate" in proc.stdout
+
+    # v5: passes the registry but its engine cannot start -> rolled back automatically
+    from serving.registry import hash_tree
+
+    v5 = store / "store" / "arith" / "v5"
+    shutil.copytree(store / "store" / "arith" / "v2", v5)
+    cfg = json.loads((v5 / "config.json").read_text())
+    cfg["num_attention_heads"] = 3  # hidden size no longer divisible: the model cannot load
+    (v5 / "config.json").write_text(json.dumps(cfg))
+    m5 = json.loads((v5 / "manifest.json").read_text())
+    (v5 / "manifest.json").unlink()
+    m5["version"], m5["files"] = "v5", hash_tree(v5)
+    (v5 / "manifest.json").write_text(json.dumps(m5))
+    started = time.monotonic()
+    proc = _promote(stack, "v5")
+    assert proc.returncode == 1 and "rolled_back" in proc.stdout, proc.stdout + proc.stderr
+    print(f"v5 rolled back after {time.monotonic() - started:.0f}s")
+    # v2 still serving, alone
+    assert _exact(stack.url, "arith", "-") >= manifest["eval"]["exact_match"] - 0.05
+    ids = {m["id"] for m in httpx.get(f"{stack.url}/v1/models").json()["data"]}
+    assert ids == {"arith", "arith@v2"}
