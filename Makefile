@@ -12,7 +12,7 @@ CONFIG ?= deployments/local.yaml
 TORCH_INDEX ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,--extra-index-url https://download.pytorch.org/whl/cpu)
 PYTEST_ARGS ?=
 
-.PHONY: install up down status test test-unit test-integration test-e2e bench clean
+.PHONY: install tools up down status test test-unit test-integration test-e2e clean
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
@@ -27,6 +27,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# Prometheus (Debian's package) for the metrics test; installed by the test command itself.
+tools:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
+	  || echo "warning: prometheus not installed (need root + apt-get); the Prometheus test will fail"; }
+
 up: install
 	$(BIN)/serving up -c $(CONFIG)
 
@@ -36,8 +43,9 @@ down:
 status:
 	$(BIN)/serving status -c $(CONFIG)
 
-test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+# Unit first, then the integration stack, then the e2e stacks (one stack at a time on 2 cores).
+test: install tools
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/unit tests/integration tests/e2e
 
 test-unit: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/unit

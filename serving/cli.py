@@ -208,6 +208,34 @@ def render_k8s(
         raise typer.Exit(1)
 
 
+keys_app = typer.Typer(help="API keys for tenants.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("new")
+def keys_new(tenant: str = typer.Option(..., "--tenant", help="Tenant the key is for (for the hint).")) -> None:
+    """Print a new random API key (give it to the client) and its salted hash (put it in the config)."""
+    from serving.gateway.auth import hash_key, new_key
+
+    key = new_key()
+    print(f"api key (give to the client, shown once): {key}")
+    print(f"config line for tenant {tenant!r}:  key_hashes: [\"{hash_key(key)}\"]")
+
+
+@keys_app.command("hash")
+def keys_hash(key_env: str = typer.Option(..., "--from-env", help="Env var holding an existing key.")) -> None:
+    """Hash an existing key read from an environment variable (never from the command line)."""
+    import os
+
+    from serving.gateway.auth import hash_key
+
+    key = os.environ.get(key_env)
+    if not key:
+        console.print(f"{key_env} is not set")
+        raise typer.Exit(2)
+    print(hash_key(key))
+
+
 @app.command("config-reference")
 def config_reference() -> None:
     """Print the Markdown reference of every stack-config field (docs/configuration.md)."""
