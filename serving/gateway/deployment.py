@@ -30,15 +30,30 @@ def _cancel(gen: DeploymentResponseGenerator) -> None:
 
 
 class _ServeLease:
-    __slots__ = ("_gen", "replica", "token", "url")
+    """A leased replica. The lease call stays open while the request runs; if the replica dies,
+    Ray fails that call at once and ``died`` is set, so the gateway stops waiting on its sockets."""
+
+    __slots__ = ("_gen", "_watcher", "died", "replica", "token", "url")
 
     def __init__(self, gen: DeploymentResponseGenerator, endpoint: Endpoint) -> None:
         self._gen = gen
         self.url = endpoint.url
         self.token = endpoint.token
         self.replica = endpoint.replica
+        self.died = asyncio.Event()
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        try:
+            await self._gen.__anext__()  # the replica yields nothing more; this only fails
+        except (ActorDiedError, ActorUnavailableError, RayActorError):
+            logger.warning("replica %s died during a request", self.replica)
+            self.died.set()
+        except BaseException:  # noqa: BLE001 - cancelled by release(), or the lease ended
+            return
 
     def release(self) -> None:
+        self._watcher.cancel()
         _cancel(self._gen)
 
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import httpx
 
@@ -24,12 +24,14 @@ logger = logging.getLogger("serving.gateway")
 __all__ = ["Lease", "Leaser", "Observer", "ReplicaGone", "UpstreamResult", "forward"]
 
 RETRYABLE = (httpx.TransportError,)
+T = TypeVar("T")
 
 
 class Lease(Protocol):
     url: str
     token: str
     replica: str
+    died: asyncio.Event  # set when the leased replica dies (Ray tells the lease call at once)
 
     def release(self) -> None: ...
 
@@ -67,6 +69,56 @@ class _RetryableFailure(Exception):
 
 class ReplicaGone(_RetryableFailure):
     """Raised by a leaser when the leased replica died before answering; the request is retried."""
+
+
+async def _unless_dead(coro: Awaitable[T], lease: Lease) -> T:
+    """Await ``coro`` unless the leased replica dies first (a dead replica's engine may never
+    close its sockets, so waiting on them alone could hang until the upstream timeout)."""
+    work = asyncio.ensure_future(coro)
+    death = asyncio.ensure_future(lease.died.wait())
+    try:
+        done, _ = await asyncio.wait({work, death}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        death.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    raise _RetryableFailure(f"replica {lease.replica} died")
+
+
+_DEAD = object()
+
+
+async def _pump(chunks: AsyncIterator[bytes], lease: Lease) -> AsyncIterator[bytes]:
+    """Chunks as they come, ending with ReadError if the replica dies mid-stream."""
+    queue: asyncio.Queue[object] = asyncio.Queue()
+
+    async def read() -> None:
+        try:
+            async for chunk in chunks:
+                queue.put_nowait(chunk)
+            queue.put_nowait(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait(exc)
+
+    async def watch() -> None:
+        await lease.died.wait()
+        queue.put_nowait(_DEAD)
+
+    reader, watcher = asyncio.ensure_future(read()), asyncio.ensure_future(watch())
+    try:
+        while True:
+            item = await queue.get()
+            if item is None:
+                return
+            if item is _DEAD:
+                raise httpx.ReadError(f"replica {lease.replica} died")
+            if isinstance(item, BaseException):
+                raise item
+            yield item  # type: ignore[misc]
+    finally:
+        reader.cancel()
+        watcher.cancel()
 
 
 async def _open(
@@ -170,7 +222,7 @@ async def forward(
             logger.warning("[%s] lease attempt %d failed: %s", request_id, attempt, last)
             continue
         try:
-            resp, data = await _open(client, lease, path, body, request_id, stream)
+            resp, data = await _unless_dead(_open(client, lease, path, body, request_id, stream), lease)
             headers = {"content-type": resp.headers.get("content-type", "application/json")}
             if data is not None:
                 lease.release()
@@ -179,8 +231,12 @@ async def forward(
                 obs.finish(resp.status_code, data)
                 return UpstreamResult(resp.status_code, headers, data, replica=lease.replica,
                                       attempts=attempt)  # fmt: skip
-            chunks = resp.aiter_raw()
-            first = await _first_chunk(resp, chunks)
+            chunks = _pump(resp.aiter_raw(), lease)
+            try:
+                first = await _unless_dead(_first_chunk(resp, chunks), lease)
+            except _RetryableFailure:
+                await resp.aclose()
+                raise
         except _RetryableFailure as exc:
             lease.release()
             last = str(exc)
