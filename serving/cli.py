@@ -236,6 +236,22 @@ def keys_hash(key_env: str = typer.Option(..., "--from-env", help="Env var holdi
     print(hash_key(key))
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def loadtest(ctx: typer.Context) -> None:
+    """Run a Locust scenario headless (same options as ``python -m loadtests.run``)."""
+    from loadtests.run import main as run_main
+
+    run_main(list(ctx.args))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context) -> None:
+    """Benchmark bare vLLM, stock Ray Serve LLM and this stack (``python -m loadtests.bench``)."""
+    from loadtests.bench import main as bench_main
+
+    bench_main(list(ctx.args))
+
+
 @app.command("config-reference")
 def config_reference() -> None:
     """Print the Markdown reference of every stack-config field (docs/configuration.md)."""

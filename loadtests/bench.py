@@ -1,0 +1,220 @@
+"""Benchmark: bare vLLM vs stock Ray Serve LLM vs this stack, on one model, in one run.
+
+    python -m loadtests.bench --model-dir DIR --out reports/bench [--concurrency 1 8 32] \
+        [--requests 200] [--output-tokens 64] [--prompt-tokens 16] [--servers bare,rayllm,ours]
+    python -m loadtests.bench --model-dir DIR --out reports/prefix --prefix-routing
+
+Each server is started, warmed up, measured at every concurrency with closed-loop streaming
+clients (fixed prompt and output lengths, ``ignore_eos``), and stopped before the next one starts.
+Prints a table (requests/s, output tokens/s, TTFT p50/p99, ITL p50, each also as a ratio to bare
+vLLM) and writes ``bench.json`` and ``bench.png``. ``--prefix-routing`` instead runs this stack
+twice with two replicas, under ``router: prefix_affinity`` and ``router: power_of_two``, on long
+shared system prompts, and compares the two. See docs/performance.md for measured figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtests.client import LevelResult, run_level
+from loadtests.scenario import RequestSpec, SharedPrefix
+from loadtests.servers import BenchModel, Server, make_server, running
+from loadtests.workload import RequestFactory, random_text
+from serving.config import EngineConfig
+
+__all__ = ["main", "prompt_pool", "ratio_table"]
+
+METRICS = (("requests_per_s", "req/s", "{:.2f}"), ("output_tokens_per_s", "tok/s", "{:.0f}"),
+           ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"), ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"),
+           ("itl_p50_ms", "ITL p50 ms", "{:.2f}"))  # fmt: skip
+
+
+WARMUP_REQUESTS = 8  # per server, before the first level (plus one per client before each level)
+
+
+def load_avg() -> float:
+    return os.getloadavg()[0]
+
+
+def prompt_pool(model_dir: str, tokens: int, n: int = 256, seed: int = 0) -> list[str]:
+    """``n`` different random prompts of exactly ``tokens`` tokens (special tokens included) with
+    the model's own tokenizer; distinct prompts keep prefix caching from skipping the prefill."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(seed)
+    count = lambda s: len(tok(s)["input_ids"])  # noqa: E731
+    pool = []
+    for _ in range(n):
+        text = random_text(rng, tokens * 4)
+        lo, hi = 1, len(text)
+        while lo < hi:  # longest prefix with <= tokens tokens
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if count(text[:mid]) <= tokens else (lo, mid - 1)
+        pool.append(text[:lo])
+    return pool
+
+
+def completion_bodies(model: str, prompts: list[str], output_tokens: int) -> Any:
+    """A body factory walking through ``prompts`` in order (one fresh factory per server, so
+    every server gets the same sequence and, with a large enough pool, never a repeated prompt)."""
+    it = iter(range(1 << 62))
+
+    def make() -> dict[str, Any]:
+        return {"model": model, "prompt": prompts[next(it) % len(prompts)], "max_tokens": output_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+
+    return make
+
+
+def measure(server: Server, make_body: Any, path: str, levels: list[int], requests: int,
+            log: Any = print) -> list[dict[str, Any]]:  # fmt: skip
+    out = []
+    asyncio.run(run_level(server.base_url, server.api_key, path, make_body, 4, WARMUP_REQUESTS))
+    for c in levels:
+        load = load_avg()
+        r: LevelResult = asyncio.run(run_level(server.base_url, server.api_key, path, make_body, c,
+                                               requests, warmup=c))  # fmt: skip
+        row = {**r.as_dict(), "load_before": round(load, 2), "load_after": round(load_avg(), 2)}
+        out.append(row)
+        log(f"  {server.kind:10} c={c:<3} {r.requests_per_s:7.2f} req/s {r.output_tokens_per_s:8.0f} tok/s  "
+            f"TTFT p50 {r.ttft_p50_ms or 0:6.0f} ms p99 {r.ttft_p99_ms or 0:6.0f} ms  failures {r.failures}  "
+            f"load {load:.1f}")  # fmt: skip
+    return out
+
+
+def ratio_table(results: dict[str, list[dict[str, Any]]], base: str = "bare") -> str:
+    """Markdown table; each figure followed by its ratio to ``base`` at the same concurrency."""
+    head = "| server | conc | " + " | ".join(m[1] for m in METRICS) + " | failures | load |"
+    lines = [head, "|" + "---|" * (len(METRICS) + 4)]
+    ref = {row["concurrency"]: row for row in results.get(base, [])}
+    for kind, rows in results.items():
+        for row in rows:
+            cells = []
+            for key, _, fmt in METRICS:
+                v, b = row.get(key), ref.get(row["concurrency"], {}).get(key)
+                cell = "-" if v is None else fmt.format(v)
+                if v is not None and b and kind != base:
+                    cell += f" ({v / b:.2f}x)"
+                cells.append(cell)
+            lines.append(f"| {kind} | {row['concurrency']} | " + " | ".join(cells)
+                         + f" | {row['failures']} | {row['load_before']:.1f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, list[dict[str, Any]]], png: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = (("output_tokens_per_s", "output tokens/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
+              ("ttft_p99_ms", "TTFT p99 (ms)"))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for kind, rows in results.items():
+            pts = [(r["concurrency"], r[key]) for r in rows if r.get(key) is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=kind)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def run_servers(a: argparse.Namespace, model: BenchModel, log: Any = print) -> dict[str, list[dict[str, Any]]]:
+    per_server = WARMUP_REQUESTS + sum(c + a.requests for c in a.concurrency)
+    prompts = prompt_pool(model.path, a.prompt_tokens, n=min(per_server, 20_000))
+    results: dict[str, list[dict[str, Any]]] = {}
+    for kind in a.servers:
+        log(f"starting {kind} (load {load_avg():.1f})...")
+        t0 = time.monotonic()
+        with running(make_server(kind, model, a.out / "logs"), a.start_timeout) as server:
+            log(f"  {kind} serving after {time.monotonic() - t0:.0f}s")
+            make = completion_bodies(model.name, prompts, a.output_tokens)
+            results[kind] = measure(server, make, "/v1/completions", a.concurrency, a.requests, log)
+    return results
+
+
+def run_prefix_routing(a: argparse.Namespace, model: BenchModel, log: Any = print) -> dict[str, list[dict[str, Any]]]:
+    prefix = SharedPrefix(count=a.prefixes, chars=a.prefix_chars)
+    spec = RequestSpec(name="prefix", model=model.name, endpoint="chat", prompt="{text}", user_chars=24,
+                       max_tokens=a.output_tokens, shared_prefix=prefix)
+    results: dict[str, list[dict[str, Any]]] = {}
+    for router in ("prefix_affinity", "power_of_two"):
+        factory = RequestFactory(spec, random.Random(0))  # the same request sequence for both
+        log(f"starting ours with 2 replicas, router {router} (load {load_avg():.1f})...")
+        server = make_server("ours-ha" if a.ha else "ours", model, a.out / "logs", replicas=2, router=router)
+        with running(server, a.start_timeout):
+            results[router] = measure(server, factory.body, factory.path, a.concurrency, a.requests, log)
+    return results
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m loadtests.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--model-dir", required=True, help="HF model directory (python -m loadtests.models)")
+    ap.add_argument("--out", type=Path, default=Path("reports/bench"))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--requests", type=int, default=200, help="measured requests per concurrency")
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--servers", default="bare,rayllm,ours", help="bare,rayllm,rayllm-ha,ours,ours-ha")
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--gpu", action="store_true", help="CUDA vLLM, one GPU per server")
+    ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--prefix-routing", action="store_true", help="prefix_affinity vs power_of_two, 2 replicas")
+    ap.add_argument("--prefixes", type=int, default=8, help="prefix mode: shared system prompts")
+    ap.add_argument("--prefix-chars", type=int, default=400, help="prefix mode: length of each")
+    ap.add_argument("--ha", action="store_true", help="prefix mode: our stack in HAProxy ingress mode")
+    a = ap.parse_args(argv)
+    a.servers = [s.strip() for s in a.servers.split(",") if s.strip()]
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    engine = EngineConfig(max_model_len=a.max_model_len, dtype=a.dtype or ("bfloat16" if a.gpu else "float32"),
+                          max_num_seqs=a.max_num_seqs, enable_prefix_caching=not a.no_prefix_caching)  # fmt: skip
+    model = BenchModel(str(Path(a.model_dir).resolve()), engine, use_gpu=a.gpu)
+    meta = {"argv": vars(a) | {"out": str(a.out)}, "engine": engine.model_dump(mode="json"),
+            "host": platform.node(), "cpus": os.cpu_count(), "load_at_start": load_avg(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    model_info = Path(a.model_dir) / "raystack-random-model.json"
+    if model_info.exists():
+        meta["model"] = json.loads(model_info.read_text())
+    if a.prefix_routing:
+        results = run_prefix_routing(a, model)
+        base, title = "power_of_two", f"prefix_affinity vs power_of_two ({a.prefixes} x {a.prefix_chars}-char prefixes)"
+    else:
+        results = run_servers(a, model)
+        base, title = "bare", "bare vLLM vs stock Ray Serve LLM vs ours"
+    meta["load_at_end"] = load_avg()
+    (a.out / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    plot(results, a.out / "bench.png", title)
+    table = ratio_table(results, base)
+    (a.out / "bench.md").write_text(table + "\n")
+    print(table)
+    print(f"load average: {meta['load_at_start']:.1f} at start, {meta['load_at_end']:.1f} at end; "
+          f"written: {a.out / 'bench.json'}, {a.out / 'bench.png'}, {a.out / 'bench.md'}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""The servers the benchmark compares, each started and stopped by the benchmark itself.
+
+- ``bare``: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``), with the
+  command line our model replicas use (:func:`serving.models.engine.vllm_command`), so the engine
+  arguments are the same by construction.
+- ``rayllm``: stock ``ray.serve.llm.build_openai_app`` on a private local Ray
+  (:mod:`loadtests.rayllm_app`), the same engine arguments as ``engine_kwargs``.
+- ``ours``: this project's stack through ``serving up`` / ``serving down`` with a generated stack
+  config (auth open) pointing at the same model directory.
+- ``*-ha``: the same with ``RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=1`` in the
+  environment of Ray (Ray Serve's HAProxy ingress mode); without the suffix both are removed.
+
+Every process is started in a new session and stopped by its process group, then any process
+left in that session is killed by pid: nothing else on the machine is touched (no ``ray stop``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from serving.config import EngineConfig
+from serving.models.engine import EngineSpec, vllm_command, vllm_env
+
+__all__ = ["HA_ENV", "BenchModel", "Server", "make_server", "running"]
+
+ROOT = Path(__file__).resolve().parents[1]
+HA_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+KINDS = ("bare", "rayllm", "rayllm-ha", "ours", "ours-ha")
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """The one model every server serves, with one set of engine arguments."""
+
+    path: str
+    engine: EngineConfig
+    use_gpu: bool = False
+    name: str = "bench"
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The same arguments as ``vllm_command`` passes, for ``LLMConfig.engine_kwargs``."""
+        e = self.engine
+        kw: dict[str, Any] = {
+            "dtype": e.dtype, "max_model_len": e.max_model_len, "max_num_seqs": e.max_num_seqs,
+            "tensor_parallel_size": e.tensor_parallel_size, "enable_prefix_caching": e.enable_prefix_caching,
+            "seed": e.seed,
+        }  # fmt: skip
+        if self.use_gpu:
+            kw["gpu_memory_utilization"] = e.gpu_memory_utilization
+        kw.update({k.replace("-", "_"): v for k, v in e.extra_args.items()})
+        return kw
+
+    def spec(self) -> EngineSpec:
+        return EngineSpec(model=self.name, version="v1", path=self.path, engine=self.engine,
+                          use_gpu=self.use_gpu, gpus_per_rank=1.0 if self.use_gpu else 0.0)  # fmt: skip
+
+
+def _base_env(ha: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in HA_ENV and k != "RAY_ADDRESS"}
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return {**env, **HA_ENV} if ha else env
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getsid(int(d.name)) == sid:
+                    pids.append(int(d.name))
+            except (ProcessLookupError, PermissionError):
+                continue
+    return pids
+
+
+def stop_session(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:
+    """SIGTERM the process (it may clean up), then its group, then every process left in its session."""
+    sid = proc.pid
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(sid, sig)
+        except ProcessLookupError:
+            break
+        time.sleep(2)
+    for pid in _session_pids(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.wait(10)
+
+
+@dataclass
+class Server:
+    kind: str
+    model: BenchModel
+    log_dir: Path
+    port: int
+    base_url: str = ""
+    api_key: str | None = None
+    stack: dict[str, Any] = field(default_factory=dict)  # ours: stack config overrides
+    proc: subprocess.Popen[bytes] | None = None
+    config_path: Path | None = None
+    temp_dir: str = ""  # rayllm: its private Ray's temp dir (short: Ray's socket paths)
+
+    @property
+    def ha(self) -> bool:
+        return self.kind.endswith("-ha")
+
+    def start(self, timeout_s: float = 900) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        getattr(self, f"_start_{self.kind.removesuffix('-ha')}")(timeout_s)
+        wait_serving(self.base_url, self.api_key, self.model.name, timeout_s, self.proc)
+
+    def stop(self) -> None:
+        if self.kind.startswith("ours"):
+            if self.config_path is not None:
+                subprocess.run([_serving_bin(), "down", "-c", str(self.config_path)], cwd=ROOT,
+                               env=_base_env(self.ha), timeout=300, check=False)  # fmt: skip
+        elif self.proc is not None:
+            stop_session(self.proc)
+        if self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if self.model.use_gpu:
+            wait_gpu_released()
+
+    def _log(self) -> Any:
+        return open(self.log_dir / f"{self.kind}.log", "ab")
+
+    def _start_bare(self, timeout_s: float) -> None:
+        spec = self.model.spec()
+        self.api_key = secrets.token_urlsafe(16)
+        cmd = [sys.executable, *vllm_command(spec, "127.0.0.1", self.port, self.api_key)]
+        log = self._log()
+        self.proc = subprocess.Popen(cmd, env={**_base_env(False), **vllm_env(spec)}, stdout=log, stderr=log,
+                                     start_new_session=True)  # fmt: skip
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def _start_rayllm(self, timeout_s: float) -> None:
+        import json
+
+        spec = self.model.spec()
+        cmd = [sys.executable, "-m", "loadtests.rayllm_app", "--model-dir", self.model.path,
+               "--model-id", self.model.name, "--port", str(self.port),
+               "--engine", json.dumps(self.model.engine_kwargs())]  # fmt: skip
+        self.temp_dir = f"/tmp/rb-{secrets.token_hex(3)}"
+        cmd += ["--temp-dir", self.temp_dir]
+        if self.model.use_gpu:
+            cmd.append("--gpu")
+        log = self._log()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**_base_env(self.ha), **vllm_env(spec)},
+                                     stdout=log, stderr=log, start_new_session=True)  # fmt: skip
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def _start_ours(self, timeout_s: float) -> None:
+        cfg = our_stack_config(self.model, self.port, **self.stack)
+        self.config_path = self.log_dir / f"stack-{cfg['name']}.yaml"
+        self.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [_serving_bin(), "up", "-c", str(self.config_path), "--timeout", str(int(timeout_s))]
+        with self._log() as log:
+            done = subprocess.run(cmd, cwd=ROOT, env=_base_env(self.ha), stdout=log, stderr=log,
+                                  timeout=timeout_s + 120)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"serving up failed ({done.returncode}); see {self.log_dir / (self.kind + '.log')}")
+
+
+def wait_gpu_released(timeout_s: float = 180) -> None:
+    """Until no process holds GPU memory (the next server needs all of it); engines exit late."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=False).stdout  # fmt: skip
+        if not out.strip():
+            return
+        time.sleep(3)
+    raise TimeoutError(f"GPU still in use after {timeout_s:.0f}s: pids {out.split()}")
+
+
+def _serving_bin() -> str:
+    return str(Path(sys.executable).with_name("serving"))
+
+
+def our_stack_config(model: BenchModel, port: int, replicas: int = 1, router: str = "power_of_two",
+                     name: str = "bench", gcs_port: int = 6393, dashboard_port: int = 8278,
+                     metrics_export_port: int = 8088) -> dict[str, Any]:  # fmt: skip
+    """A stack config serving only ``model`` (auth open), on ports apart from the default stacks."""
+    return {
+        "name": name,
+        "gateway": {"host": "127.0.0.1", "port": port, "num_replicas": 1},
+        "local_ray": {"gcs_port": gcs_port, "dashboard_port": dashboard_port,
+                      "metrics_export_port": metrics_export_port, "num_cpus": 8},  # fmt: skip
+        "auth": {"mode": "open"},
+        "models": [{
+            "name": model.name,
+            "versions": [{"version": "v1", "path": model.path}],
+            "engine": model.engine.model_dump(mode="json"),
+            "deployment": {"num_replicas": replicas, "max_ongoing_requests": 256, "max_queued_requests": 1024,
+                           "router": router, "gpus_per_rank": 1.0 if model.use_gpu else 0.0},
+        }],
+    }  # fmt: skip
+
+
+def wait_serving(base_url: str, api_key: str | None, model: str, timeout_s: float,
+                 proc: subprocess.Popen[bytes] | None = None) -> None:  # fmt: skip
+    """Until one small completion succeeds (an engine can list models before it can generate)."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"model": model, "prompt": "hello", "max_tokens": 2}
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server process exited with {proc.returncode} while starting")
+        try:
+            r = httpx.post(f"{base_url}/v1/completions", json=body, headers=headers, timeout=30)
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = type(exc).__name__
+        time.sleep(2)
+    raise TimeoutError(f"{base_url} not serving after {timeout_s:.0f}s (last: {last})")
+
+
+def make_server(kind: str, model: BenchModel, log_dir: Path, **stack: Any) -> Server:
+    if kind not in KINDS:
+        raise ValueError(f"unknown server {kind!r} (known: {', '.join(KINDS)})")
+    port = {"bare": 8031, "rayllm": 8032, "rayllm-ha": 8032}.get(kind, 8021)
+    return Server(kind, model, log_dir, port, stack=stack)
+
+
+@contextmanager
+def running(server: Server, timeout_s: float = 900) -> Iterator[Server]:
+    """Start ``server``; always stop it, even when starting failed half-way."""
+    try:
+        server.start(timeout_s)
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,230 @@
+"""Load-test tooling without a server: scenario files, request bodies, stream accounting, SLO
+evaluation on a synthetic Locust CSV, and the benchmark's table (issue 7/8)."""
+
+from __future__ import annotations
+
+import csv
+import random
+from pathlib import Path
+
+import pytest
+
+from loadtests.bench import ratio_table
+from loadtests.client import percentile
+from loadtests.report import format_summary, history_series, plot_history
+from loadtests.scenario import SLO, ScenarioError, load_scenario, scenario_names
+from loadtests.servers import BenchModel, our_stack_config
+from loadtests.slo import evaluate, exit_code, load_results, parse_stats
+from loadtests.workload import RequestFactory, StreamMeter, outcome_of_body, shared_prefixes
+from serving.config import EngineConfig, parse_config
+
+PCTS = ["50%", "66%", "75%", "80%", "90%", "95%", "98%", "99%", "99.9%", "99.99%", "100%"]
+STATS_COLS = ["Type", "Name", "Request Count", "Failure Count", "Median Response Time",
+              "Average Response Time", "Min Response Time", "Max Response Time", "Average Content Size",
+              "Requests/s", "Failures/s", *PCTS]  # fmt: skip
+
+
+def _row(kind: str, name: str, n: int, fails: int, rps: float, size: float, p50: float, p99: float) -> dict[str, str]:
+    row = dict.fromkeys(STATS_COLS, "0")
+    row |= {"Type": kind, "Name": name, "Request Count": str(n), "Failure Count": str(fails),
+            "Requests/s": str(rps), "Average Content Size": str(size)}  # fmt: skip
+    for p in PCTS:
+        row[p] = str(p99 if p in ("99%", "99.9%", "99.99%", "100%") else p50)
+    return row
+
+
+def _write_csv(path: Path, rows: list[dict[str, str]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+SYNTHETIC = [
+    _row("POST", "chat adder", 300, 3, 10.0, 8.0, 200, 900),
+    _row("POST", "completion subtractor", 100, 0, 3.0, 6.0, 150, 700),
+    _row("TTFT", "chat adder", 297, 0, 9.9, 0, 40, 300),
+    _row("TTFT", "ALL", 397, 0, 13.0, 0, 45, 320),
+    _row("ITL", "ALL", 397, 0, 13.0, 0, 5, 20),
+    _row("", "Aggregated", 1191, 3, 39.0, 4, 50, 800),
+]
+
+
+@pytest.mark.parametrize("name", scenario_names())
+def test_shipped_scenarios_validate_and_have_slos(name: str) -> None:
+    sc = load_scenario(name)
+    assert sc.name == name
+    assert sc.duration_s > 0 and sc.slo.ttft_p99_ms and sc.slo.min_tokens_per_s is not None
+    assert sc.users_at(0) is not None and sc.users_at(sc.duration_s + 1) is None
+
+
+def test_expected_scenarios_exist() -> None:
+    assert {"single-model", "multi-model", "shared-prefix", "burst", "smoke"} <= set(scenario_names())
+    burst = load_scenario("burst")
+    users = [s.users for s in burst.shape]
+    assert max(users) >= 4 * min(users), "a burst scenario needs a burst"
+    prefix = load_scenario("shared-prefix").requests[0].shared_prefix
+    assert prefix is not None and prefix.chars >= 300
+
+
+def test_smoke_scenario_fits_the_integration_models() -> None:
+    sc = load_scenario("smoke")
+    assert {r.model for r in sc.requests} <= {"adder", "subtractor"}
+    assert all(r.max_tokens <= 8 for r in sc.requests) and sc.duration_s < 40
+
+
+def test_invalid_scenario_names_file_and_field(tmp_path: Path) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: bad\nrequests: [{name: a, model: m, max_tokns: 3}]\nshape: [{duration_s: 5, users: 1}]\n")
+    with pytest.raises(ScenarioError, match=r"(?s)bad.yaml.*requests.0.max_tokns"):
+        load_scenario(p)
+    p.write_text("name: bad\nrequests: [{name: a, model: m}]\nshape: []\n")
+    with pytest.raises(ScenarioError, match="shape"):
+        load_scenario(p)
+    with pytest.raises(ScenarioError, match="no such scenario"):
+        load_scenario("does-not-exist")
+
+
+def test_shape_scaling_keeps_the_burst_form() -> None:
+    sc = load_scenario("burst")
+    short = sc.scaled(30)
+    assert short.duration_s == pytest.approx(30)
+    assert [s.users for s in short.shape] == [s.users for s in sc.shape]
+    first = short.shape[0].duration_s
+    assert short.users_at(first - 0.01)[0] == sc.shape[0].users
+    assert short.users_at(first + 0.01)[0] == sc.shape[1].users
+    assert sc.with_model("bench").requests[0].model == "bench"
+
+
+def test_request_bodies() -> None:
+    sc = load_scenario("shared-prefix")
+    f = RequestFactory(sc.requests[0], random.Random(1))
+    body = f.body()
+    assert f.path == "/v1/chat/completions"
+    system, user = body["messages"]
+    assert system["role"] == "system" and system["content"] in shared_prefixes(sc.requests[0].shared_prefix)
+    assert len(system["content"]) == 400 and len(user["content"]) == 24
+    assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["ignore_eos"]
+    comp = RequestFactory(load_scenario("smoke").requests[1], random.Random(2)).body()
+    a, b = comp["prompt"].rstrip("=").split("-")
+    assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99 and comp["max_tokens"] == 6
+
+
+def test_stream_meter_times_tokens_and_reads_usage() -> None:
+    m = StreamMeter(started=10.0)
+    m.line('data: {"choices":[{"delta":{"role":"assistant","content":"4"}}]}', 10.2)
+    m.line("", 10.2)
+    m.line('data: {"choices":[{"delta":{"content":"2"}}]}', 10.3)
+    m.line('data: {"choices":[{"delta":{"content":"!"}}]}', 10.4)
+    m.line('data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3}}', 10.4)
+    m.line("data: [DONE]", 10.41)
+    out = m.outcome(10.5)
+    assert out.ok and out.tokens == 3 and out.prompt_tokens == 7
+    assert out.ttft_s == pytest.approx(0.2) and out.itl_s == pytest.approx(0.1) and out.latency_s == pytest.approx(0.5)
+
+
+def test_stream_meter_failures() -> None:
+    cut = StreamMeter(0.0)
+    cut.line('data: {"choices":[{"text":"1"}]}', 0.1)
+    assert not cut.outcome(0.2).ok and "DONE" in cut.outcome(0.2).error
+    err = StreamMeter(0.0)
+    err.line('data: {"choices":[{"text":"1"}]}', 0.1)
+    err.line('data: {"error":{"message":"replica failed","type":"server_error"}}', 0.2)
+    err.line("data: [DONE]", 0.2)
+    assert err.outcome(0.3).error == "replica failed"
+    bad = outcome_of_body(429, b'{"error":{"message":"Rate limit","type":"rate_limit_error"}}', 0.0, 0.1)
+    assert not bad.ok and bad.error == "HTTP 429: Rate limit"
+    good = outcome_of_body(200, b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}', 0.0, 0.1)
+    assert good.ok and good.tokens == 2
+
+
+def test_slo_evaluation_on_a_synthetic_csv(tmp_path: Path) -> None:
+    _write_csv(tmp_path / "locust_stats.csv", SYNTHETIC)
+    r = load_results(tmp_path)
+    assert (r.requests, r.failures) == (400, 3)
+    assert r.error_rate == pytest.approx(0.0075)
+    assert r.tokens_per_s == pytest.approx(10 * 8 + 3 * 6)
+    assert r.requests_per_s == pytest.approx(13.0)
+    assert (r.ttft_p50_ms, r.ttft_p99_ms, r.itl_p50_ms) == (45, 320, 5)
+
+    ok = evaluate(r, SLO(max_error_rate=0.01, ttft_p99_ms=500, min_tokens_per_s=90, itl_p50_ms=10))
+    assert exit_code(ok) == 0 and len(ok) == 5
+    broken = {
+        "error rate": SLO(max_error_rate=0.005),
+        "ttft_p99_ms": SLO(ttft_p99_ms=300),
+        "ttft_p50_ms": SLO(ttft_p50_ms=40),
+        "tokens_per_s": SLO(min_tokens_per_s=99),
+        "finished requests": SLO(min_requests=401),
+    }
+    for name, slo in broken.items():
+        checks = evaluate(r, slo)
+        assert exit_code(checks) == 1
+        assert [c.name for c in checks if not c.ok] == [name]
+    assert "FAIL  ttft_p99_ms: 320 (limit 300)" in format_summary("x", r, evaluate(r, SLO(ttft_p99_ms=300)))
+
+
+def test_slo_without_data_fails() -> None:
+    empty = parse_stats([_row("", "Aggregated", 0, 0, 0, 0, 0, 0) | {"50%": "N/A", "99%": "N/A"}])
+    checks = evaluate(empty, SLO(ttft_p99_ms=1000))
+    assert exit_code(checks) == 1
+    assert {c.name for c in checks if not c.ok} == {"finished requests", "error rate", "ttft_p99_ms"}
+
+
+def test_history_series_and_plot(tmp_path: Path) -> None:
+    cols = ["Timestamp", "User Count", "Type", "Name", "Requests/s", "Failures/s", *PCTS, "Total Request Count",
+            "Total Failure Count", "Total Median Response Time", "Total Average Response Time",
+            "Total Min Response Time", "Total Max Response Time", "Total Average Content Size"]  # fmt: skip
+    rows = []
+    for i in range(6):
+        base = dict.fromkeys(cols, "0") | {"Timestamp": str(1000 + i), "User Count": str(4)}
+        rows.append(base | {"Type": "POST", "Name": "chat adder", "Total Request Count": str(10 * i),
+                            "Total Average Content Size": "8.0", "Total Failure Count": "0"})  # fmt: skip
+        rows.append(base | {"Type": "TTFT", "Name": "ALL", "Total Request Count": str(10 * i),
+                            "50%": "40", "99%": "90"})  # fmt: skip
+    _write_csv(tmp_path / "locust_stats_history.csv", rows)
+    s = history_series(rows)
+    assert [v for _, v in s["requests/s"]][-1] == pytest.approx(10)
+    assert [v for _, v in s["tokens/s"]][-1] == pytest.approx(80)
+    assert s["TTFT p99"][-1] == (5, 90)
+    png = plot_history(tmp_path, "synthetic", tmp_path / "p.png")
+    assert png.stat().st_size > 10_000
+
+
+def test_percentile_nearest_rank() -> None:
+    vals = [float(i) for i in range(1, 101)]
+    assert percentile(vals, 50) == 50 and percentile(vals, 99) == 99 and percentile(vals, 100) == 100
+    assert percentile([], 50) is None and percentile([3.0], 99) == 3.0
+
+
+def test_bench_stack_config_is_valid_and_mirrors_the_engine() -> None:
+    engine = EngineConfig(max_model_len=512, dtype="float32", max_num_seqs=64)
+    model = BenchModel("/tmp/m", engine)
+    cfg = parse_config(our_stack_config(model, 8021, replicas=2, router="prefix_affinity"))
+    m = cfg.models[0]
+    assert m.engine == engine and m.deployment.num_replicas == 2 and m.deployment.router == "prefix_affinity"
+    assert cfg.auth.mode == "open" and cfg.gateway.port == 8021 and cfg.local_ray.gcs_port != 6379
+    kw = model.engine_kwargs()
+    assert kw["dtype"] == "float32" and kw["max_model_len"] == 512 and kw["enable_prefix_caching"] is True
+
+
+def test_ratio_table() -> None:
+    row = {"concurrency": 8, "failures": 0, "load_before": 1.0, "ttft_p99_ms": 80.0, "itl_p50_ms": 4.0}
+    results = {
+        "bare": [row | {"requests_per_s": 20.0, "output_tokens_per_s": 1280.0, "ttft_p50_ms": 40.0}],
+        "ours": [row | {"requests_per_s": 18.0, "output_tokens_per_s": 1152.0, "ttft_p50_ms": 50.0}],
+    }
+    table = ratio_table(results)
+    assert "| ours | 8 | 18.00 (0.90x) | 1152 (0.90x) | 50 (1.25x) |" in table
+    assert "| bare | 8 | 20.00 | 1280 | 40 |" in table
+
+
+def test_char_tokenizer_and_exact_length_prompts(tmp_path: Path) -> None:
+    from loadtests.bench import prompt_pool
+    from loadtests.models import build_tokenizer
+
+    tok = build_tokenizer(vocab_size=300, max_length=1024)
+    assert len(tok) == 300
+    assert len(tok("ab c")["input_ids"]) == 5  # <bos> + one token per character
+    tok.save_pretrained(str(tmp_path))
+    prompts = prompt_pool(str(tmp_path), tokens=16, n=3)
+    assert len(set(prompts)) == 3 and all(len(tok(p)["input_ids"]) == 16 for p in prompts)
