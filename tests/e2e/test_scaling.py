@@ -79,7 +79,7 @@ def test_one_model_scales_up_and_back_the_other_stays(stack: Stack) -> None:
     t = threading.Thread(target=lambda: result.append(asyncio.run(load())))
     t.start()
     try:
-        deadline, peak = time.monotonic() + 300, 1
+        deadline, peak = time.monotonic() + 420, 1
         while time.monotonic() < deadline and peak < 2:
             time.sleep(3)
             counts = _running(stack)
