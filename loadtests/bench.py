@@ -88,7 +88,7 @@ def measure(server: Server, make_body: Any, path: str, levels: list[int], reques
         out.append(row)
         log(f"  {server.kind:10} c={c:<3} {r.requests_per_s:7.2f} req/s {r.output_tokens_per_s:8.0f} tok/s  "
             f"TTFT p50 {r.ttft_p50_ms or 0:6.0f} ms p99 {r.ttft_p99_ms or 0:6.0f} ms  failures {r.failures}  "
-            f"load {load:.1f}")  # fmt: skip
+            f"client CPU {r.client_cpu_s / r.wall_s:.0%}  load {load:.1f}")  # fmt: skip
     return out
 
 
@@ -143,7 +143,8 @@ def run_servers(a: argparse.Namespace, model: BenchModel, log: Any = print) -> d
         log(f"starting {kind} (load {load_avg():.1f})...")
         t0 = time.monotonic()
         with running(make_server(kind, model, a.out / "logs"), a.start_timeout) as server:
-            log(f"  {kind} serving after {time.monotonic() - t0:.0f}s")
+            pid = f", process group {server.proc.pid}" if server.proc else ""
+            log(f"  {kind} serving after {time.monotonic() - t0:.0f}s{pid}")
             make = completion_bodies(model.name, prompts, a.output_tokens)
             results[kind] = measure(server, make, "/v1/completions", a.concurrency, a.requests, log)
     return results
@@ -177,6 +178,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="further vLLM flag for every server, e.g. num-gpu-blocks-override=64 (repeatable)")
     ap.add_argument("--gpu", action="store_true", help="CUDA vLLM, one GPU per server")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--prefix-routing", action="store_true", help="prefix_affinity vs power_of_two, 2 replicas")
@@ -185,14 +188,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ha", action="store_true", help="prefix mode: our stack in HAProxy ingress mode")
     a = ap.parse_args(argv)
     a.servers = [s.strip() for s in a.servers.split(",") if s.strip()]
+    a.engine_args = dict(_engine_arg(x) for x in a.engine_arg)
     return a
+
+
+def _engine_arg(text: str) -> tuple[str, str | int | float | bool]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--engine-arg wants KEY=VALUE, got {text!r}")
+    value: str | int | float | bool = raw
+    if raw.lower() in ("true", "false"):
+        value = raw.lower() == "true"
+    else:
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                continue
+    return key, value
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     engine = EngineConfig(max_model_len=a.max_model_len, dtype=a.dtype or ("bfloat16" if a.gpu else "float32"),
-                          max_num_seqs=a.max_num_seqs, enable_prefix_caching=not a.no_prefix_caching)  # fmt: skip
+                          max_num_seqs=a.max_num_seqs, enable_prefix_caching=not a.no_prefix_caching,
+                          extra_args=a.engine_args)  # fmt: skip
     model = BenchModel(str(Path(a.model_dir).resolve()), engine, use_gpu=a.gpu)
     meta = {"argv": vars(a) | {"out": str(a.out)}, "engine": engine.model_dump(mode="json"),
             "host": platform.node(), "cpus": os.cpu_count(), "load_at_start": load_avg(),

@@ -46,12 +46,13 @@ class LevelResult:
     mean_prompt_tokens: float
     mean_output_tokens: float
     errors: list[str]
+    client_cpu_s: float = 0.0  # CPU the client itself used: on a small machine it competes with the server
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def of(cls, concurrency: int, outs: list[Outcome], wall_s: float) -> LevelResult:
+    def of(cls, concurrency: int, outs: list[Outcome], wall_s: float, client_cpu_s: float = 0.0) -> LevelResult:
         ok = [o for o in outs if o.ok]
         ms = lambda v: None if v is None else v * 1000  # noqa: E731
         ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
@@ -65,7 +66,7 @@ class LevelResult:
             latency_p50_ms=ms(percentile([o.latency_s for o in ok], 50)),
             mean_prompt_tokens=statistics.fmean([o.prompt_tokens for o in ok]) if ok else 0.0,
             mean_output_tokens=tokens / len(ok) if ok else 0.0,
-            errors=sorted({o.error for o in outs if not o.ok})[:5],
+            errors=sorted({o.error for o in outs if not o.ok})[:5], client_cpu_s=client_cpu_s,
         )  # fmt: skip
 
 
@@ -107,6 +108,6 @@ async def run_level(base_url: str, api_key: str | None, path: str, make_body: Ca
 
         if warmup:
             await batch(warmup)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         outs = await batch(requests)
-        return LevelResult.of(concurrency, outs, time.perf_counter() - t0)
+        return LevelResult.of(concurrency, outs, time.perf_counter() - t0, time.process_time() - cpu0)

@@ -57,7 +57,7 @@ def run_scenario(scenario: str, base_url: str, out_dir: Path, api_key: str | Non
     except ScenarioError as exc:
         log(str(exc))
         return 2
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()  # Locust runs in the repository root
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",

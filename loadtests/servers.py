@@ -39,6 +39,7 @@ __all__ = ["HA_ENV", "BenchModel", "Server", "make_server", "running"]
 
 ROOT = Path(__file__).resolve().parents[1]
 HA_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+HAPROXY_DIR = Path("/tmp/haproxy-serve")  # Ray's HAProxy working files; it leaves them behind
 KINDS = ("bare", "rayllm", "rayllm-ha", "ours", "ours-ha")
 
 
@@ -75,6 +76,21 @@ def _base_env(ha: bool) -> dict[str, str]:
                 "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return {**env, **HA_ENV} if ha else env
+
+
+def _haproxy_dirs() -> set[str]:
+    return {p.name for p in HAPROXY_DIR.iterdir()} if HAPROXY_DIR.is_dir() else set()
+
+
+def _cmdlines() -> str:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                out.append((d / "cmdline").read_bytes().decode("utf-8", "replace"))
+            except OSError:
+                continue
+    return "\n".join(out)
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -125,6 +141,7 @@ class Server:
     proc: subprocess.Popen[bytes] | None = None
     config_path: Path | None = None
     temp_dir: str = ""  # rayllm: its private Ray's temp dir (short: Ray's socket paths)
+    haproxy_before: set[str] = field(default_factory=set)
 
     @property
     def ha(self) -> bool:
@@ -132,6 +149,7 @@ class Server:
 
     def start(self, timeout_s: float = 900) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.haproxy_before = _haproxy_dirs()
         getattr(self, f"_start_{self.kind.removesuffix('-ha')}")(timeout_s)
         wait_serving(self.base_url, self.api_key, self.model.name, timeout_s, self.proc)
 
@@ -144,6 +162,11 @@ class Server:
             stop_session(self.proc)
         if self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if self.ha:
+            in_use = _cmdlines()
+            for d in _haproxy_dirs() - self.haproxy_before:
+                if d not in in_use:  # never the files of a HAProxy that still runs (someone else's)
+                    shutil.rmtree(HAPROXY_DIR / d, ignore_errors=True)
         if self.model.use_gpu:
             wait_gpu_released()
 
@@ -154,9 +177,9 @@ class Server:
         spec = self.model.spec()
         self.api_key = secrets.token_urlsafe(16)
         cmd = [sys.executable, *vllm_command(spec, "127.0.0.1", self.port, self.api_key)]
-        log = self._log()
-        self.proc = subprocess.Popen(cmd, env={**_base_env(False), **vllm_env(spec)}, stdout=log, stderr=log,
-                                     start_new_session=True)  # fmt: skip
+        with self._log() as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(cmd, env={**_base_env(False), **vllm_env(spec)}, stdout=log, stderr=log,
+                                         start_new_session=True)  # fmt: skip
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def _start_rayllm(self, timeout_s: float) -> None:
@@ -170,14 +193,14 @@ class Server:
         cmd += ["--temp-dir", self.temp_dir]
         if self.model.use_gpu:
             cmd.append("--gpu")
-        log = self._log()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**_base_env(self.ha), **vllm_env(spec)},
-                                     stdout=log, stderr=log, start_new_session=True)  # fmt: skip
+        with self._log() as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**_base_env(self.ha), **vllm_env(spec)},
+                                         stdout=log, stderr=log, start_new_session=True)  # fmt: skip
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def _start_ours(self, timeout_s: float) -> None:
         cfg = our_stack_config(self.model, self.port, **self.stack)
-        self.config_path = self.log_dir / f"stack-{cfg['name']}.yaml"
+        self.config_path = (self.log_dir / f"stack-{cfg['name']}.yaml").resolve()  # serving runs in ROOT
         self.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [_serving_bin(), "up", "-c", str(self.config_path), "--timeout", str(int(timeout_s))]
