@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -214,8 +213,7 @@ def stop_stack(name: str, log: Any = print) -> bool:
             while time.monotonic() < deadline and _alive(state.ray_pid):
                 time.sleep(0.5)
     (RUN_DIR / f"{name}.json").unlink(missing_ok=True)
-    state.token_path.unlink(missing_ok=True)
-    shutil.rmtree(state.temp_dir, ignore_errors=True)
+    state.token_path.unlink(missing_ok=True)  # Ray's logs stay in state.temp_dir for debugging
     log(f"stopped stack {name!r} (ray head pid {state.ray_pid})")
     return True
 
