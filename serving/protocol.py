@@ -165,7 +165,8 @@ def _check_prompt(prompt: object) -> None:
     if prompt is None:
         raise InvalidRequest("'prompt' is a required property", param="prompt")
     ok = isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt and all(isinstance(p, (str, int)) for p in prompt)
+        isinstance(prompt, list) and prompt
+        and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in prompt)
     )
     if not ok or prompt == "":
         raise InvalidRequest("'prompt' must be a non-empty string or array", param="prompt")
@@ -177,6 +178,8 @@ def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:  # found by tests/integration/test_fuzz.py: "[[[[...]]]]" was a 500
+        raise InvalidRequest("The request body is nested too deeply.") from None
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object")
     model = body.get("model")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -25,6 +26,7 @@ from serving.errors import (
     to_response,
 )
 from serving.gateway.core import GatewayCore
+from serving.gateway.proxy import UpstreamResult
 from serving.protocol import Kind, parse_request
 
 logger = logging.getLogger("serving.gateway")
@@ -53,6 +55,22 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+class _Stream(StreamingResponse):
+    """A streamed answer whose lease is released even if the stream never runs to its end."""
+
+    def __init__(self, result: UpstreamResult, headers: dict[str, str]) -> None:
+        assert result.stream is not None
+        super().__init__(result.stream, 200, headers, media_type="text/event-stream")
+        self._aclose = result.aclose
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._aclose is not None:
+                await self._aclose()
 
 
 def create_api(core: GatewayCore) -> FastAPI:
@@ -107,7 +125,7 @@ def create_api(core: GatewayCore) -> FastAPI:
                     result.attempts, (time.monotonic() - started) * 1000)  # fmt: skip
         if result.stream is not None:
             headers["cache-control"] = "no-cache"
-            return StreamingResponse(result.stream, 200, headers, media_type="text/event-stream")
+            return _Stream(result, headers)
         return Response(result.body, result.status, headers, media_type=_JSON)
 
     @app.post("/v1/chat/completions")

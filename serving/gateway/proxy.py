@@ -61,6 +61,9 @@ class UpstreamResult:
     stream: AsyncIterator[bytes] | None = None
     replica: str = ""
     attempts: int = 1
+    # Releases the lease and the upstream response if the stream was never (fully) iterated,
+    # e.g. the client went away before the first byte was sent; idempotent.
+    aclose: Callable[[], Awaitable[None]] | None = None
 
 
 class _RetryableFailure(Exception):
@@ -164,14 +167,29 @@ async def _first_chunk(resp: httpx.Response, chunks: AsyncIterator[bytes]) -> by
         raise _RetryableFailure(f"{type(exc).__name__}: {exc}") from exc
 
 
+class _Cleanup:
+    def __init__(self, resp: httpx.Response, lease: Lease, obs: Observer) -> None:
+        self.resp, self.lease, self.obs, self.done = resp, lease, obs, False
+
+    async def __call__(self, status: int = 499) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            await self.resp.aclose()
+        finally:
+            self.lease.release()
+            self.obs.finish(status)
+
+
 async def _relay(
     first: bytes,
     chunks: AsyncIterator[bytes],
-    resp: httpx.Response,
-    lease: Lease,
+    cleanup: _Cleanup,
     request_id: str,
     obs: Observer,
 ) -> AsyncIterator[bytes]:
+    lease = cleanup.lease
     status = 499  # client went away, unless we get to the end
     try:
         out = obs.feed(first) if first else b""
@@ -193,9 +211,7 @@ async def _relay(
             request_id,
         )
     finally:
-        await resp.aclose()
-        lease.release()
-        obs.finish(status)
+        await cleanup(status)
 
 
 async def forward(
@@ -245,9 +261,10 @@ async def forward(
         except BaseException:
             lease.release()
             raise
+        cleanup = _Cleanup(resp, lease, obs)
         return UpstreamResult(
-            200, headers, stream=_relay(first, chunks, resp, lease, request_id, obs),
-            replica=lease.replica, attempts=attempt,
+            200, headers, stream=_relay(first, chunks, cleanup, request_id, obs),
+            replica=lease.replica, attempts=attempt, aclose=cleanup,
         )  # fmt: skip
     obs.finish(502)
     raise UpstreamError(f"No model replica could serve the request after {retries + 1} attempts.")

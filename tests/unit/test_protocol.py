@@ -46,7 +46,7 @@ def test_invalid_bodies(body: object, kind: str, param: str) -> None:
     assert exc.value.param == param
 
 
-@pytest.mark.parametrize("raw", [b"{", b"[]", b"null", b"\xff\xfe"])
+@pytest.mark.parametrize("raw", [b"{", b"[]", b"null", b"\xff\xfe", b"[" * 5000 + b"]" * 5000])
 def test_not_json_objects(raw: bytes) -> None:
     with pytest.raises(InvalidRequest):
         parse_request(raw, "chat")
