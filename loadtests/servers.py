@@ -6,9 +6,13 @@
 - ``rayllm``: stock ``ray.serve.llm.build_openai_app`` on a private local Ray
   (:mod:`loadtests.rayllm_app`), the same engine arguments as ``engine_kwargs``.
 - ``ours``: this project's stack through ``serving up`` / ``serving down`` with a generated stack
-  config (auth open) pointing at the same model directory.
+  config (auth open) pointing at the same model directory; the gateway replicas serve the port
+  themselves (``gateway.ingress: direct``, the default).
+- ``ours-proxy``: the same behind Ray Serve's HTTP proxy (``gateway.ingress: serve_proxy``, the
+  design before the direct listener): the "before" of docs/performance.md.
 - ``*-ha``: the same with ``RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=1`` in the
   environment of Ray (Ray Serve's HAProxy ingress mode); without the suffix both are removed.
+  ``ours-ha`` uses Serve's ingress (``serve_proxy``), which HAProxy mode replaces.
 
 Every process is started in a new session and stopped by its process group, then any process
 left in that session is killed by pid: nothing else on the machine is touched (no ``ray stop``).
@@ -40,7 +44,7 @@ __all__ = ["HA_ENV", "BenchModel", "Server", "make_server", "running"]
 ROOT = Path(__file__).resolve().parents[1]
 HA_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
 HAPROXY_DIR = Path("/tmp/haproxy-serve")  # Ray's HAProxy working files; it leaves them behind
-KINDS = ("bare", "rayllm", "rayllm-ha", "ours", "ours-ha")
+KINDS = ("bare", "rayllm", "rayllm-ha", "ours", "ours-proxy", "ours-ha")
 
 
 @dataclass(frozen=True)
@@ -150,7 +154,7 @@ class Server:
     def start(self, timeout_s: float = 900) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.haproxy_before = _haproxy_dirs()
-        getattr(self, f"_start_{self.kind.removesuffix('-ha')}")(timeout_s)
+        getattr(self, f"_start_{self.kind.removesuffix('-ha').removesuffix('-proxy')}")(timeout_s)
         wait_serving(self.base_url, self.api_key, self.model.name, timeout_s, self.proc)
 
     def stop(self) -> None:
@@ -199,7 +203,8 @@ class Server:
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def _start_ours(self, timeout_s: float) -> None:
-        cfg = our_stack_config(self.model, self.port, **self.stack)
+        ingress = "direct" if self.kind == "ours" else "serve_proxy"
+        cfg = our_stack_config(self.model, self.port, ingress=ingress, **self.stack)
         self.config_path = (self.log_dir / f"stack-{cfg['name']}.yaml").resolve()  # serving runs in ROOT
         self.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -227,13 +232,13 @@ def _serving_bin() -> str:
     return str(Path(sys.executable).with_name("serving"))
 
 
-def our_stack_config(model: BenchModel, port: int, replicas: int = 1, router: str = "power_of_two",
+def our_stack_config(model: BenchModel, port: int, replicas: int = 1, router: str = "power_of_two", ingress: str = "direct",
                      name: str = "bench", gcs_port: int = 6393, dashboard_port: int = 8278,
                      metrics_export_port: int = 8088) -> dict[str, Any]:  # fmt: skip
     """A stack config serving only ``model`` (auth open), on ports apart from the default stacks."""
     return {
         "name": name,
-        "gateway": {"host": "127.0.0.1", "port": port, "num_replicas": 1},
+        "gateway": {"host": "127.0.0.1", "port": port, "num_replicas": 1, "ingress": ingress},
         "local_ray": {"gcs_port": gcs_port, "dashboard_port": dashboard_port,
                       "metrics_export_port": metrics_export_port, "num_cpus": 8},  # fmt: skip
         "auth": {"mode": "open"},

@@ -145,7 +145,9 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
                 "retries": g.retries,
                 "upstream_timeout_s": g.upstream_timeout_s,
                 "expose_replica_header": g.expose_replica_header,
-            }
+            },
+            # ingress direct: every gateway replica serves the OpenAI API on host:port itself
+            "listen": {"host": g.host, "port": g.port} if g.ingress == "direct" else None,
         },
         "deployments": [
             {
@@ -162,7 +164,7 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
     apps = [gateway] + [_model_application(cfg, m, v, base) for m in cfg.models for v in m.versions]
     return {
         "proxy_location": "EveryNode",
-        "http_options": {"host": g.host, "port": g.port, "keep_alive_timeout_s": 60},
+        "http_options": {"host": g.host, "port": g.serve_proxy_port, "keep_alive_timeout_s": 60},
         "applications": apps,
     }
 
@@ -173,7 +175,7 @@ def gateway_app(args: dict[str, Any]) -> Any:
 
     from serving.gateway.deployment import Gateway
 
-    return serve.deployment(Gateway, name="Gateway").bind(args["settings"])
+    return serve.deployment(Gateway, name="Gateway").bind(args["settings"], args.get("listen"))
 
 
 def model_app(args: dict[str, Any]) -> Any:

@@ -178,6 +178,15 @@ class GatewayConfig(_Strict):
 
     host: str = Field("127.0.0.1", description="Bind address (0.0.0.0 on Kubernetes).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API.")
+    ingress: Literal["direct", "serve_proxy"] = Field(
+        "direct",
+        description="direct: each gateway replica serves `port` itself (SO_REUSEPORT), one Python hop "
+        "per token; serve_proxy: Ray Serve's HTTP proxy serves `port` (slower, docs/performance.md).",
+    )
+    proxy_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Port of Ray Serve's own HTTP proxy when ingress is direct (health only); default port+1.",
+    )  # fmt: skip
     num_replicas: int = Field(1, ge=1, description="Fixed gateway replicas (ignored if autoscaling).")
     autoscaling: AutoscalingConfig | None = Field(
         None, description="Scale gateway replicas on their own in-flight requests."
@@ -190,6 +199,19 @@ class GatewayConfig(_Strict):
     expose_replica_header: bool = Field(
         False, description="Add x-replica (the serving replica) to responses; for debugging."
     )
+
+    @model_validator(mode="after")
+    def _ports(self) -> GatewayConfig:
+        if self.ingress == "direct" and self.serve_proxy_port == self.port:
+            raise ValueError("proxy_port must differ from port (the gateway replicas listen on port)")
+        return self
+
+    @property
+    def serve_proxy_port(self) -> int:
+        """Where Ray Serve's HTTP proxy listens."""
+        if self.ingress == "serve_proxy":
+            return self.port
+        return self.proxy_port or (self.port + 1 if self.port < 65535 else self.port - 1)
 
 
 class TenantConfig(_Strict):

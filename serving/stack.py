@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -99,11 +100,26 @@ def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
             check_layout(m, hf, float(cfg.local_ray.num_cpus), None)
 
 
-def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str) -> StackState:
-    """Start (or reuse) this stack's local Ray head."""
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str,
+              ports: tuple[int, ...] = ()) -> StackState:  # fmt: skip
+    """Start (or reuse) this stack's local Ray head; ``ports`` must be free for a new one (the
+    gateway binds its port with SO_REUSEPORT, so a second stack on it would not fail by itself)."""
     state = StackState.load(name)
     if state and _alive(state.ray_pid):
         return state
+    busy = [p for p in ports if not _port_free(p)]
+    if busy:
+        raise RuntimeError(f"port(s) {busy} of stack '{name}' are in use; stop what holds them "
+                           "or change gateway.port / local_ray ports")  # fmt: skip
     temp_dir = f"/tmp/raystack-{name}"
     ray_bin = str(Path(sys.executable).with_name("ray"))
     cmd = [
@@ -122,8 +138,11 @@ def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str
     token_path.touch(mode=0o600)
     token_path.write_text(secrets.token_hex(32))
     auth_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+    # Ray starts workers at nice 15, below its own daemons; the engines are the product, so they
+    # run at normal priority unless the environment says otherwise (docs/performance.md)
+    nice = {"RAY_worker_niceness": "0"}
     log = open(RUN_DIR / f"{name}-ray.log", "ab")
-    proc = subprocess.Popen(cmd, env={**os.environ, **env, **auth_env}, stdout=log, stderr=log,
+    proc = subprocess.Popen(cmd, env={**nice, **os.environ, **env, **auth_env}, stdout=log, stderr=log,
                             start_new_session=True)  # fmt: skip
     state = StackState(name, proc.pid, ray.gcs_port, ray.dashboard_port, temp_dir, base_url)
     state.save()
@@ -237,7 +256,9 @@ class LocalDeployer:
 def up(cfg: StackConfig, base: Path, env: dict[str, str], timeout_s: float, log: Any = print) -> StackState:
     ensure_models(cfg, base, log)
     base_url = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
-    state = start_ray(cfg.name, cfg.local_ray, env, base_url)
+    g, r = cfg.gateway, cfg.local_ray
+    ports = (g.port, g.serve_proxy_port, r.gcs_port, r.dashboard_port, r.metrics_export_port)
+    state = start_ray(cfg.name, r, env, base_url, ports)
     log(f"ray head up (pid {state.ray_pid}, dashboard {state.dashboard}, loopback only)")
     serve_config = build_serve_config(cfg, base)
     deploy(state, serve_config)

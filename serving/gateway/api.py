@@ -73,9 +73,11 @@ class _Stream(StreamingResponse):
                 await self._aclose()
 
 
-def create_api(core: GatewayCore) -> FastAPI:
+def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> FastAPI:
+    """The routes over ``core``. ``set_request_id_header``: echo ``x-request-id`` on responses
+    (default: ``core.settings``; off behind Serve's proxy, which does it itself)."""
     app = FastAPI(title="raystack-llm gateway", docs_url=None, redoc_url=None)
-    rid_header = core.settings.set_request_id_header
+    rid_header = core.settings.set_request_id_header if set_request_id_header is None else set_request_id_header
 
     def _error(exc: BaseException, rid: str) -> Response:
         resp = to_response(exc, rid)
@@ -167,6 +169,10 @@ def create_api(core: GatewayCore) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/-/healthz")
+    async def healthz() -> Response:  # the path KubeRay's readiness probe asks on the serve port
+        return Response(b"success", media_type="text/plain")
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:

@@ -95,20 +95,51 @@ class ServeLeases:
             return False
 
 
+try:  # the key Serve's default autoscaling policy reads from a replica's report
+    from ray.serve._private.common import RUNNING_REQUESTS_KEY
+except ImportError:  # pragma: no cover - tests/unit/test_gateway_direct.py fails loudly if it moves
+    RUNNING_REQUESTS_KEY = "running_requests"
+
+
 @serve.ingress()
 class Gateway:
     """Ingress deployment. ``settings`` are init args; the routing table is the ``user_config``
-    so promotions and weight changes are applied in place (``reconfigure``), with no restart."""
+    so promotions and weight changes are applied in place (``reconfigure``), with no restart.
 
-    def __init__(self, settings: dict[str, Any]) -> None:
+    With ``listen`` (``gateway.ingress: direct``, the default) the replica serves the OpenAI API on
+    that address itself (:mod:`serving.gateway.direct`); Serve's proxy still serves the same app on
+    its own port. Without it, Serve's proxy is the only way in (``ingress: serve_proxy``)."""
+
+    def __init__(self, settings: dict[str, Any], listen: dict[str, Any] | None = None) -> None:
         from serving.metrics import GatewayMetrics
 
         replica = str(serve.get_replica_context().replica_tag)
         settings = {**settings, "set_request_id_header": False, "replica_id": replica}  # Serve's proxy sets x-request-id
         self.core = GatewayCore(GatewaySettings(**settings), ServeLeases(), GatewayMetrics())
+        self._listener = None
+        if listen:
+            from serving.gateway.direct import DirectListener
 
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
+            app = create_api(self.core, set_request_id_header=True)
+            self._listener = DirectListener(app, listen["host"], int(listen["port"]),
+                                            drain_s=float(listen.get("drain_s", 30)))  # fmt: skip
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
         self.core.reconfigure(user_config)
+        if self._listener is not None and not self._listener.started:
+            await self._listener.start()  # only once a routing table exists
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Requests served by the listener, which Serve does not see, count as this replica's
+        running requests, so ``gateway.autoscaling`` scales on the real load."""
+        if self._listener is None:
+            return {}  # Serve counts the requests its proxy brings
+        return {RUNNING_REQUESTS_KEY: float(self._listener.in_flight)}
+
+    async def __del__(self) -> None:
+        if self._listener is not None:
+            await self._listener.stop()
+        await self.core.aclose()
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_api(self.core)

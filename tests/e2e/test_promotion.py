@@ -29,7 +29,7 @@ PAIRS = [(a, b) for a in range(11, 99, 7) for b in range(3, 90, 13)][:60]
 def _config(tmp: Path) -> Path:
     data = {
         "name": "promotest", "checkpoint_root": str(tmp / "store"),
-        "gateway": {"port": 8013}, "auth": {"mode": "open"},
+        "gateway": {"port": 8013, "proxy_port": 8113}, "auth": {"mode": "open"},
         "local_ray": {"gcs_port": 6394, "dashboard_port": 8279, "metrics_export_port": 8089, "num_cpus": 8},
         "models": [{"name": "arith", "eval_gate": 0.9, "versions": [{"version": "v1"}],
                     "engine": {"max_model_len": 64, "dtype": "float32", "max_num_seqs": 32}}],

@@ -370,8 +370,8 @@ def test_only_cluster_ip_services(overlay: str) -> None:
     (rs,) = of_kind(overlay, "RayService")
     serve = rs["spec"]["serveService"]["spec"]
     assert serve["type"] == "ClusterIP"
-    http = yaml.safe_load(rs["spec"]["serveConfigV2"])["http_options"]
-    assert [p["port"] for p in serve["ports"]] == [http["port"]] == [p["targetPort"] for p in serve["ports"]]
+    port = gateway_port(yaml.safe_load(rs["spec"]["serveConfigV2"]))
+    assert [p["port"] for p in serve["ports"]] == [port] == [p["targetPort"] for p in serve["ports"]]
     assert rs["spec"]["excludeHeadPodFromServeSvc"] is True
 
 
@@ -444,8 +444,16 @@ def required_ports(obj: dict[str, Any]) -> Iterator[tuple[str, str, int]]:
                 lo, hi = map(int, s["value"].split())
                 yield from ((where, "ephemeral (vLLM/NCCL)", x) for x in (lo, (lo + hi) // 2, hi))
     if obj["kind"] == "RayService":
-        port = yaml.safe_load(obj["spec"]["serveConfigV2"])["http_options"]["port"]
-        yield from ((w, "Serve HTTP", port) for w, _, _ in ray_groups(obj))
+        serve_config = yaml.safe_load(obj["spec"]["serveConfigV2"])
+        for what, port in (("gateway", gateway_port(serve_config)), ("Serve HTTP", serve_config["http_options"]["port"])):
+            yield from ((w, what, port) for w, _, _ in ray_groups(obj))
+
+
+def gateway_port(serve_config: dict[str, Any]) -> int:
+    """Where the OpenAI API answers: the gateway replicas' own listener, else Serve's proxy."""
+    (gw,) = [a for a in serve_config["applications"] if a["name"] == "gateway"]
+    listen = gw["args"].get("listen")
+    return int(listen["port"]) if listen else int(serve_config["http_options"]["port"])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -1,0 +1,107 @@
+"""The gateway's own HTTP listener: the OpenAI API served by each gateway replica directly.
+
+Why (measured, docs/performance.md section "Direct ingress"): behind Ray Serve's HTTP proxy every
+streamed chunk travels proxy <-> replica as a Ray streaming-generator item, and on a 2-core machine
+that per-token work competes with the engine. Here each gateway replica runs uvicorn (the same
+FastAPI app) on the gateway port itself, on the replica's event loop, so a token crosses one Python
+process between vLLM and the client. All replicas on a node bind the same port with
+``SO_REUSEPORT`` and the kernel spreads connections over them; Serve's proxy stays up on an
+internal port for its own health checks.
+
+A request the listener serves is invisible to Serve's request counting, so the replica reports its
+in-flight count to the autoscaler itself (:meth:`DirectListener.in_flight`, see
+``Gateway.record_autoscaling_stats``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+import uvicorn
+
+logger = logging.getLogger("serving.gateway")
+
+__all__ = ["DirectListener", "bind_shared"]
+
+
+def bind_shared(host: str, port: int) -> socket.socket:
+    """A listening TCP socket that other gateway replicas on this node may bind too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class _Counted:
+    """ASGI wrapper counting HTTP requests in progress (the autoscaling signal)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.in_flight = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+class DirectListener:
+    """uvicorn serving ``app`` on ``host:port`` inside the current event loop."""
+
+    def __init__(self, app: Any, host: str, port: int, keep_alive_s: int = 60, drain_s: float = 30.0) -> None:
+        self.host, self.port = host, port
+        self._app = _Counted(app)
+        config = uvicorn.Config(
+            self._app, host=host, port=port, http="httptools", loop="none", lifespan="off",
+            access_log=False, log_level="warning", timeout_keep_alive=keep_alive_s,
+            timeout_graceful_shutdown=int(drain_s), server_header=False, date_header=False,
+        )  # fmt: skip
+        self._server = uvicorn.Server(config)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return self._app.in_flight
+
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
+    async def start(self, timeout_s: float = 30.0) -> None:
+        sock = bind_shared(self.host, self.port)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the gateway listener stopped while starting")
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the gateway listener on {self.host}:{self.port} did not start")
+            await asyncio.sleep(0.05)
+        logger.info("gateway listening on %s:%d (SO_REUSEPORT)", self.host, self.port)
+
+    async def stop(self) -> None:
+        """Stop accepting, let requests in progress finish (bounded by ``drain_s``), close."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await self._task
+        except Exception:  # noqa: BLE001 - shutting down; nothing left to serve
+            logger.exception("gateway listener stopped with an error")
+        self._task = None

@@ -1,0 +1,119 @@
+"""The gateway replicas' own listener (``gateway.ingress: direct``): shared port, request counting,
+draining, and how the stack config turns into it. Runs real uvicorn servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from serving.app import build_serve_config
+from serving.config import ConfigError, parse_config
+from serving.gateway.direct import DirectListener, bind_shared
+
+MODEL = {"name": "adder", "versions": [{"version": "v1"}]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _app(name: str, gate: asyncio.Event | None = None) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/who")
+    async def who() -> dict[str, str]:
+        if gate is not None:
+            await gate.wait()
+        return {"name": name}
+
+    return app
+
+
+async def test_two_listeners_share_one_port_and_both_serve() -> None:
+    port = _free_port()
+    a, b = DirectListener(_app("a"), "127.0.0.1", port), DirectListener(_app("b"), "127.0.0.1", port)
+    await a.start()
+    await b.start()
+    try:
+        seen: set[str] = set()
+        for _ in range(200):  # a new connection each time: the kernel spreads them over both
+            async with httpx.AsyncClient() as c:
+                seen.add((await c.get(f"http://127.0.0.1:{port}/who")).json()["name"])
+            if seen == {"a", "b"}:
+                break
+        assert seen == {"a", "b"}
+        await a.stop()  # one replica leaves: the other alone answers, nothing is refused
+        for _ in range(20):
+            async with httpx.AsyncClient() as c:
+                assert (await c.get(f"http://127.0.0.1:{port}/who")).json()["name"] == "b"
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_in_flight_counts_requests_and_stop_lets_them_finish() -> None:
+    gate = asyncio.Event()
+    port = _free_port()
+    lis = DirectListener(_app("a", gate), "127.0.0.1", port, drain_s=10)
+    await lis.start()
+    async with httpx.AsyncClient(timeout=20) as c:
+        calls = [asyncio.ensure_future(c.get(f"http://127.0.0.1:{port}/who")) for _ in range(3)]
+        for _ in range(100):
+            if lis.in_flight == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert lis.in_flight == 3
+        stopping = asyncio.ensure_future(lis.stop())
+        await asyncio.sleep(0.2)
+        assert not stopping.done()  # draining: the three are still running
+        with pytest.raises(httpx.ConnectError):  # and no new connection is accepted
+            await c.get(f"http://127.0.0.1:{port}/who", headers={"connection": "close"})
+        gate.set()
+        assert [r.json() for r in await asyncio.gather(*calls)] == [{"name": "a"}] * 3
+        await stopping
+    assert lis.in_flight == 0
+
+
+def test_a_port_held_without_reuseport_is_an_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(OSError):
+            bind_shared("127.0.0.1", s.getsockname()[1])
+
+
+def test_autoscaling_key_exists_in_this_ray() -> None:
+    """The gateway reports its listener's requests under the key Serve's default policy reads."""
+    from ray.serve._private.common import RUNNING_REQUESTS_KEY
+
+    from serving.gateway import deployment
+
+    assert deployment.RUNNING_REQUESTS_KEY == RUNNING_REQUESTS_KEY == "running_requests"
+
+
+def test_direct_ingress_is_the_default_and_moves_serves_proxy_aside() -> None:
+    sc = build_serve_config(parse_config({"auth": {"mode": "open"}, "models": [MODEL],
+                                          "gateway": {"port": 9100}}))  # fmt: skip
+    assert sc["applications"][0]["args"]["listen"] == {"host": "127.0.0.1", "port": 9100}
+    assert sc["http_options"]["port"] == 9101
+    sc = build_serve_config(parse_config({"auth": {"mode": "open"}, "models": [MODEL],
+                                          "gateway": {"port": 9100, "proxy_port": 9200}}))  # fmt: skip
+    assert sc["http_options"]["port"] == 9200
+
+
+def test_serve_proxy_ingress_keeps_the_port_on_serves_proxy() -> None:
+    sc = build_serve_config(parse_config({"auth": {"mode": "open"}, "models": [MODEL],
+                                          "gateway": {"port": 9100, "ingress": "serve_proxy"}}))  # fmt: skip
+    assert sc["applications"][0]["args"]["listen"] is None
+    assert sc["http_options"]["port"] == 9100
+
+
+def test_proxy_port_equal_to_port_is_refused() -> None:
+    with pytest.raises(ConfigError, match="proxy_port must differ"):
+        parse_config({"auth": {"mode": "open"}, "models": [MODEL], "gateway": {"port": 9100, "proxy_port": 9100}})
