@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.client import LevelResult, run_level
+from loadtests.cpuprof import GROUPS, cpu_by_group, split
 from loadtests.scenario import RequestSpec, SharedPrefix
 from loadtests.servers import BenchModel, Server, make_server, running
 from loadtests.workload import RequestFactory, random_text
@@ -82,13 +83,17 @@ def measure(server: Server, make_body: Any, path: str, levels: list[int], reques
     asyncio.run(run_level(server.base_url, server.api_key, path, make_body, 4, WARMUP_REQUESTS))
     for c in levels:
         load = load_avg()
+        before, t0 = cpu_by_group(), time.monotonic()
         r: LevelResult = asyncio.run(run_level(server.base_url, server.api_key, path, make_body, c,
                                                requests, warmup=c))  # fmt: skip
-        row = {**r.as_dict(), "load_before": round(load, 2), "load_after": round(load_avg(), 2)}
+        cores = split(before, cpu_by_group(), time.monotonic() - t0)  # the level incl. its warm-up
+        row = {**r.as_dict(), "load_before": round(load, 2), "load_after": round(load_avg(), 2),
+               "cores_by_group": cores}  # fmt: skip
         out.append(row)
         log(f"  {server.kind:10} c={c:<3} {r.requests_per_s:7.2f} req/s {r.output_tokens_per_s:8.0f} tok/s  "
             f"TTFT p50 {r.ttft_p50_ms or 0:6.0f} ms p99 {r.ttft_p99_ms or 0:6.0f} ms  failures {r.failures}  "
             f"client CPU {r.client_cpu_s / r.wall_s:.0%}  load {load:.1f}")  # fmt: skip
+        log("    cores: " + ", ".join(f"{g} {v:.2f}" for g, v in cores.items()))
     return out
 
 
@@ -108,6 +113,19 @@ def ratio_table(results: dict[str, list[dict[str, Any]]], base: str = "bare") ->
                 cells.append(cell)
             lines.append(f"| {kind} | {row['concurrency']} | " + " | ".join(cells)
                          + f" | {row['failures']} | {row['load_before']:.1f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def cpu_table(results: dict[str, list[dict[str, Any]]]) -> str:
+    """Markdown table of the cores each group of processes used per server and concurrency."""
+    groups = [g for g, _ in GROUPS] + ["other"]
+    seen = [g for g in groups if any(g in row.get("cores_by_group", {}) for rows in results.values() for row in rows)]
+    lines = ["| server | conc | " + " | ".join(seen) + " | total |", "|" + "---|" * (len(seen) + 3)]
+    for kind, rows in results.items():
+        for row in rows:
+            cores = row.get("cores_by_group", {})
+            lines.append(f"| {kind} | {row['concurrency']} | " + " | ".join(f"{cores.get(g, 0):.2f}" for g in seen)
+                         + f" | {sum(cores.values()):.2f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -231,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     meta["load_at_end"] = load_avg()
     (a.out / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     plot(results, a.out / "bench.png", title)
-    table = ratio_table(results, base)
+    table = ratio_table(results, base) + "\n\nCores used per group of processes:\n\n" + cpu_table(results)
     (a.out / "bench.md").write_text(table + "\n")
     print(table)
     print(f"load average: {meta['load_at_start']:.1f} at start, {meta['load_at_end']:.1f} at end; "

@@ -117,6 +117,7 @@ def _model_application(cfg: StackConfig, m: ModelConfig, v: ModelVersion, base: 
         engine=m.engine,
         use_gpu=m.deployment.gpus_per_rank > 0,
         gpus_per_rank=m.deployment.gpus_per_rank,
+        cpus_per_rank=m.deployment.cpus_per_rank,
         startup_timeout_s=m.deployment.startup_timeout_s,
     )
     return {
@@ -158,6 +159,9 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
                 "ray_actor_options": {"num_cpus": g.num_cpus},
                 "user_config": routing_user_config(cfg),
                 "graceful_shutdown_timeout_s": 60,
+                # a restarted gateway replica (new code or settings) starts before the old one
+                # stops: the port always has a listener, even with one replica
+                "max_surge_percent": 100,
             }
         ],
     }

@@ -39,7 +39,10 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # validate_default: a float field's default 600 becomes 600.0 like a parsed "600" does, so a
+    # config and its re-validated copy (promotions) give byte-identical Serve configs; otherwise
+    # Serve sees changed app args and restarts the gateway instead of reconfiguring it in place
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class EngineConfig(_Strict):

@@ -5,13 +5,19 @@ Pure functions, no Ray or vLLM import, so they are unit-tested and reused by the
 
 from __future__ import annotations
 
+import json
 import os
+from collections import Counter
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
 from serving.config import ConfigError, EngineConfig, ModelConfig
 
-__all__ = ["EngineSpec", "check_layout", "cpu_bind_groups", "vllm_command", "vllm_env"]
+__all__ = ["EngineSpec", "check_layout", "claim_cores", "cpu_bind_groups", "vllm_command", "vllm_env"]
+
+# Node-local record of which cores each CPU engine is bound to (tmpfs: gone at reboot, per pod on K8s)
+CORE_LEDGER = Path(os.environ.get("RAYSTACK_CORE_LEDGER", "/dev/shm/raystack-engine-cores.json"))
 
 
 class EngineSpec(BaseModel):
@@ -25,6 +31,7 @@ class EngineSpec(BaseModel):
     engine: EngineConfig
     use_gpu: bool = False
     gpus_per_rank: float = 0.0
+    cpus_per_rank: float = 1.0
     startup_timeout_s: float = 600
 
     @property
@@ -81,8 +88,47 @@ def cpu_bind_groups(world_size: int, cpus: list[int]) -> str:
     return "|".join(",".join(str(c) for c in g) if len(g) > 1 else str(g[0]) for g in groups)
 
 
-def vllm_env(spec: EngineSpec) -> dict[str, str]:
-    """Environment for the engine process: offline, no prompt logging, CPU cache and binding."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim_cores(count: int, owner: int, cpus: list[int] | None = None, ledger: Path | None = None) -> list[int]:
+    """``count`` cores for one CPU engine on this node: the least-claimed ones, recorded under
+    ``owner`` (the replica's pid) in a node-local ledger; claims of dead processes are dropped.
+
+    vLLM's own ``auto`` binding puts every engine of a node on the same cores (all but one, from
+    core 0): two replicas or two models on one machine would share one core while the others idle.
+    """
+    import fcntl
+
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    ledger = ledger or CORE_LEDGER
+    with open(ledger, "a+", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        try:
+            raw = json.loads(f.read() or "{}")
+        except json.JSONDecodeError:
+            raw = {}
+        claims = {int(pid): list(cores) for pid, cores in raw.items() if int(pid) != owner and _alive(int(pid))}
+        use = Counter(c for cores in claims.values() for c in cores)
+        chosen = sorted(sorted(cpus, key=lambda c: (use[c], c))[: max(1, min(count, len(cpus)))])
+        claims[owner] = chosen
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({str(k): v for k, v in claims.items()}))
+    return chosen
+
+
+def vllm_env(spec: EngineSpec, cores: list[int] | None = None) -> dict[str, str]:
+    """Environment for the engine process: offline, no prompt logging, CPU cache and binding
+    (to ``cores`` when given, split over the ranks; else vLLM's own choice for one rank)."""
     env = {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -93,7 +139,9 @@ def vllm_env(spec: EngineSpec) -> dict[str, str]:
         e = spec.engine
         env["VLLM_CPU_KVCACHE_SPACE"] = str(e.kv_cache_space_gib)
         world = e.tensor_parallel_size * e.pipeline_parallel_size
-        if world > 1:
+        if cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(world, cores) if world > 1 else ",".join(map(str, cores))
+        elif world > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(world, sorted(os.sched_getaffinity(0)))
     return env
 

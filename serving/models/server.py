@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from serving.models.engine import EngineSpec, vllm_command, vllm_env
+from serving.models.engine import EngineSpec, claim_cores, vllm_command, vllm_env
 
 logger = logging.getLogger("ray.serve")
 
@@ -106,6 +106,20 @@ def _placement_group_gpus(spec: EngineSpec) -> str | None:
     return ",".join(dict.fromkeys(ids))
 
 
+def _engine_cores(spec: EngineSpec) -> list[int] | None:
+    """Cores for a CPU engine, as many as its placement group reserved (``cpus_per_rank`` per
+    rank), apart from the other engines on this node where the node has enough."""
+    if spec.use_gpu:
+        return None
+    try:
+        cores = claim_cores(spec.world_size * max(1, int(spec.cpus_per_rank)), os.getpid())
+    except OSError as exc:  # no writable /dev/shm: vLLM binds by itself
+        logger.warning("no core ledger (%s); vLLM chooses its cores", exc)
+        return None
+    logger.info("engine cores %s", cores)
+    return cores
+
+
 def _replica_tag() -> str:
     try:
         from ray import serve
@@ -125,7 +139,7 @@ class ModelServer:
         self.token = secrets.token_urlsafe(24)
         self.replica = _replica_tag()
         self.endpoint = Endpoint(f"http://{self.host}:{self.port}", self.token, self.replica)
-        env = {**os.environ, **vllm_env(self.spec)}
+        env = {**os.environ, **vllm_env(self.spec, _engine_cores(self.spec))}
         gpus = _placement_group_gpus(self.spec)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus

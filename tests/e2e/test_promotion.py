@@ -79,8 +79,6 @@ def _promote(stack: Stack, version: str, steps: str = "10,50,100") -> subprocess
                            "--step-seconds", "8"], cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
 
 
-@pytest.mark.xfail(strict=False, reason="last run here: promotion to v2 under load passed; the broken-version "
-                   "part was fixed after (v3's copied manifest) and not re-run before the session ended")
 def test_promotion_under_load_then_broken_versions(stack: Stack, store: Path) -> None:
     v1_add = _exact(stack.url, "arith", "+")
     assert v1_add >= 0.9, v1_add
@@ -94,13 +92,16 @@ def test_promotion_under_load_then_broken_versions(stack: Stack, store: Path) ->
                 a, b = PAIRS[i % len(PAIRS)]
                 i += 1
                 stream = i % 3 == 0
-                r = c.post(f"{stack.url}/v1/completions", json={"model": "arith", "prompt": f"{a}+{b}=",
-                           "max_tokens": 5, "temperature": 0, "stream": stream})  # fmt: skip
-                ok = r.status_code == 200 and (not stream or r.text.rstrip().endswith("data: [DONE]"))
-                ok = ok and '"error"' not in r.text
-                outcomes["ok" if ok else f"fail-{r.status_code}"] += 1
-                if i % 5 == 0:
-                    v1_answers.append(_answer(stack.url, "arith@v1", f"{a}+{b}="))
+                try:
+                    r = c.post(f"{stack.url}/v1/completions", json={"model": "arith", "prompt": f"{a}+{b}=",
+                               "max_tokens": 5, "temperature": 0, "stream": stream})  # fmt: skip
+                    ok = r.status_code == 200 and (not stream or r.text.rstrip().endswith("data: [DONE]"))
+                    ok = ok and '"error"' not in r.text
+                    outcomes["ok" if ok else f"fail-{r.status_code}"] += 1
+                    if i % 5 == 0:
+                        v1_answers.append(_answer(stack.url, "arith@v1", f"{a}+{b}="))
+                except httpx.HTTPError as exc:  # refused or cut connections are failures too
+                    outcomes[f"fail-{type(exc).__name__}"] += 1
                 # paced (about 4 requests/s): on 2 cores an unpaced closed loop starves the new
                 # version's engine start (measured: 9 minutes instead of 40 s)
                 stop.wait(0.25)
@@ -169,3 +170,54 @@ def test_promotion_under_load_then_broken_versions(stack: Stack, store: Path) ->
     assert _exact(stack.url, "arith", "-") >= manifest["eval"]["exact_match"] - 0.05
     ids = {m["id"] for m in httpx.get(f"{stack.url}/v1/models").json()["data"]}
     assert ids == {"arith", "arith@v2"}
+
+
+def test_gateway_restart_keeps_the_port_answering(stack: Stack) -> None:
+    """A gateway change that Serve applies by restarting the (single) gateway replica, here new
+    settings, under load: the replacement starts before the old replica stops (max_surge_percent),
+    so the port the gateway replicas serve themselves never refuses a connection."""
+    from serving.app import build_serve_config
+    from serving.config import load_config
+    from serving.promotion import apply_routes, routes_path
+    from serving.stack import StackState, deploy, serve_status
+
+    cfg = apply_routes(load_config(stack.config), routes_path(ROOT / ".run", "promotest"))
+    state = StackState.load(cfg.name)
+    assert state is not None
+
+    def gateway_replicas() -> set[str]:
+        app = serve_status(state)["applications"].get("gateway", {})
+        dep = app.get("deployments", {}).get("Gateway", {})  # absent while Serve rebuilds the app
+        return {r["replica_id"] for r in dep.get("replicas", []) if r.get("state") == "RUNNING"}
+
+    old = gateway_replicas()
+    stop, outcomes = threading.Event(), Counter[str]()
+
+    def load() -> None:
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                try:
+                    r = c.post(f"{stack.url}/v1/completions",
+                               json={"model": "arith", "prompt": "50-8=", "max_tokens": 3, "temperature": 0})  # fmt: skip
+                    outcomes["ok" if r.status_code == 200 else f"fail-{r.status_code}"] += 1
+                except httpx.HTTPError as exc:
+                    outcomes[f"fail-{type(exc).__name__}"] += 1
+                stop.wait(0.1)
+
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        changed = cfg.model_copy(update={"gateway": cfg.gateway.model_copy(update={"retries": cfg.gateway.retries + 1})})
+        deploy(state, build_serve_config(changed, stack.config.resolve().parent))
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            now = gateway_replicas()
+            if now and not now & old:
+                break
+            time.sleep(1)
+        time.sleep(3)
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    assert gateway_replicas() and not gateway_replicas() & old, "the gateway replica was not replaced"
+    assert outcomes["ok"] > 10 and set(outcomes) == {"ok"}, outcomes

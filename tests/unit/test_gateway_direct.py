@@ -117,3 +117,8 @@ def test_serve_proxy_ingress_keeps_the_port_on_serves_proxy() -> None:
 def test_proxy_port_equal_to_port_is_refused() -> None:
     with pytest.raises(ConfigError, match="proxy_port must differ"):
         parse_config({"auth": {"mode": "open"}, "models": [MODEL], "gateway": {"port": 9100, "proxy_port": 9100}})
+
+
+def test_a_restarted_gateway_replica_starts_before_the_old_one_stops() -> None:
+    sc = build_serve_config(parse_config({"auth": {"mode": "open"}, "models": [MODEL]}))
+    assert sc["applications"][0]["deployments"][0]["max_surge_percent"] == 100

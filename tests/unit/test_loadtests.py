@@ -4,6 +4,7 @@ evaluation on a synthetic Locust CSV, and the benchmark's table (issue 7/8)."""
 from __future__ import annotations
 
 import csv
+import os
 import random
 from pathlib import Path
 
@@ -228,3 +229,31 @@ def test_char_tokenizer_and_exact_length_prompts(tmp_path: Path) -> None:
     tok.save_pretrained(str(tmp_path))
     prompts = prompt_pool(str(tmp_path), tokens=16, n=3)
     assert len(set(prompts)) == 3 and all(len(tok(p)["input_ids"]) == 16 for p in prompts)
+
+
+def test_cpu_split_groups_processes_by_role() -> None:
+    from loadtests.cpuprof import cpu_by_group, group_of, split
+
+    assert group_of("VLLM::Worker", "") == "engine worker"
+    assert group_of("python3", "python3 -m vllm.entrypoints.openai.api_server --model m") == "vLLM API server"
+    assert group_of("ray::ServeRepli", "ray::ServeReplica:gateway:Gateway") == "gateway replica"
+    assert group_of("ray::ServeRepli", "ray::ServeReplica:default:OpenAiIngress") == "gateway replica"
+    assert group_of("ray::ServeRepli", "ray::ServeReplica:bench--v1:bench--v1") == "model replica"
+    assert group_of("ray::ProxyActor", "ray::ProxyActor") == "Serve proxy"
+    assert group_of("raylet", "/x/raylet --foo") == "Ray daemons"
+    before = {1: ("gateway replica", 10.0), 2: ("Ray daemons", 5.0)}
+    after = {1: ("gateway replica", 12.0), 2: ("Ray daemons", 5.5), 3: ("other", 1.0)}  # 3 started meanwhile
+    assert split(before, after, 4.0) == {"gateway replica": 0.5, "other": 0.25, "Ray daemons": 0.125}
+    me = cpu_by_group()  # this very process is in the real table
+    assert os.getpid() in me and me[os.getpid()][1] > 0
+
+
+def test_cpu_table_lists_the_groups_seen() -> None:
+    from loadtests.bench import cpu_table
+
+    rows = {"bare": [{"concurrency": 8, "cores_by_group": {"engine worker": 1.0, "vLLM API server": 0.5}}],
+            "ours": [{"concurrency": 8, "cores_by_group": {"engine worker": 0.9, "gateway replica": 0.3}}]}
+    out = cpu_table(rows).splitlines()
+    assert out[0] == "| server | conc | engine worker | vLLM API server | gateway replica | total |"
+    assert out[2] == "| bare | 8 | 1.00 | 0.50 | 0.00 | 1.50 |"
+    assert out[3] == "| ours | 8 | 0.90 | 0.00 | 0.30 | 1.20 |"

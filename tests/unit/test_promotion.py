@@ -132,3 +132,25 @@ def test_manual_rollback_and_refusals(tmp_path: Path) -> None:
     with pytest.raises(PromotionError):
         promote(cfg, "calc", "v2", store=CheckpointStore(str(tmp_path)), deployer=d,
                 routes_file=tmp_path / "r.json", base_url="x")  # fmt: skip
+
+
+def test_a_promotion_step_changes_only_the_gateways_user_config() -> None:
+    """Serve restarts a deployment whose app args change; the gateway must only be reconfigured.
+    (Found by the promotion e2e: a default ``600`` became ``600.0`` after re-validation, Serve
+    rebuilt the gateway app, and with one gateway replica the port refused connections meanwhile.)"""
+    from serving.app import build_serve_config
+    from serving.config import load_config
+    from serving.promotion import _with_versions
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "deployments" / "local.yaml")
+    model = cfg.models[0]
+    step = _with_versions(cfg, model.name, [(v.version, v.weight) for v in model.versions] + [("v9", 0)])
+    before, after = build_serve_config(cfg), build_serve_config(step)
+    strip = lambda app: json.dumps({k: v for k, v in app.items() if k != "deployments"}, sort_keys=True)  # noqa: E731
+    assert strip(before["applications"][0]) == strip(after["applications"][0])  # gateway app args
+    gw_before = {k: v for k, v in before["applications"][0]["deployments"][0].items() if k != "user_config"}
+    gw_after = {k: v for k, v in after["applications"][0]["deployments"][0].items() if k != "user_config"}
+    assert json.dumps(gw_before, sort_keys=True) == json.dumps(gw_after, sort_keys=True)
+    later = {a["name"]: a for a in after["applications"]}
+    for a in before["applications"][1:]:  # the versions already deployed stay exactly as they are
+        assert json.dumps(a, sort_keys=True) == json.dumps(later[a["name"]], sort_keys=True)

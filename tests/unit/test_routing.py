@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import os
 import random
+from pathlib import Path
 from collections import Counter
 
 import pytest
@@ -79,6 +81,37 @@ def test_engine_command_and_env() -> None:
     assert cpu_bind_groups(2, [0, 1, 2, 3]) == "0,1|2,3"
     with pytest.raises(ValueError):
         cpu_bind_groups(4, [0, 1])
+
+
+def test_engines_of_one_node_get_cores_apart(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from serving.models.engine import claim_cores
+
+    ledger = tmp_path / "cores.json"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    me = os.getpid()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert claim_cores(1, sleeper.pid, [0, 1], ledger) == [0]
+        assert claim_cores(1, me, [0, 1], ledger) == [1]          # the free core, not vLLM's default 0
+        assert claim_cores(1, dead.pid, [0, 1], ledger) == [0]    # both taken once: least used, lowest
+        # had the dead claim on 0 counted, core 1 would be the less used one
+        assert claim_cores(1, dead.pid + 10**6, [0, 1], ledger) == [0]
+        assert claim_cores(4, me, [0, 1], ledger) == [0, 1]       # never more than the node has
+        wide = tmp_path / "wide.json"
+        assert claim_cores(2, sleeper.pid, [0, 1, 2, 3], wide) == [0, 1]
+        assert claim_cores(2, me, [0, 1, 2, 3], wide) == [2, 3]   # cpus_per_rank 2: two cores each
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    spec = EngineSpec(model="m", version="v1", path="/p", engine=EngineConfig(tensor_parallel_size=2))
+    assert vllm_env(spec, [2, 3])["VLLM_CPU_OMP_THREADS_BIND"] == "2|3"
+    one = EngineSpec(model="m", version="v1", path="/p", engine=EngineConfig())
+    assert vllm_env(one, [1])["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env(one)  # no ledger: vLLM's own choice
 
 
 def _model(**engine: object) -> ModelConfig:

@@ -1,0 +1,73 @@
+"""Where the CPU goes during a benchmark level: every process on the machine, grouped by role.
+
+On a 2-core machine every CPU-second a proxy, gateway or Ray daemon spends is taken from the engine,
+so the benchmark records, per level, the CPU time (user + system, from ``/proc/<pid>/stat``) of each
+group below over the level's wall time. A process started during a level counts from its start; one
+that ended during it is missed. Linux only (elsewhere the split is empty).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["GROUPS", "cpu_by_group", "group_of", "split"]
+
+# (group, test on "comm\0cmdline"), first match wins
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("engine worker", ("VLLM::Worker",)),
+    ("engine core", ("VLLM::EngineCor",)),
+    ("vLLM API server", ("vllm.entrypoints.openai.api_server",)),
+    ("gateway replica", ("ServeReplica:gateway:", "OpenAiIngress", "LLMRouter")),  # ours; stock ingress
+    ("model replica", ("ServeReplica:",)),
+    ("Serve proxy", ("ProxyActor", "haproxy")),
+    ("Serve controller", ("ServeController",)),
+    ("Ray daemons", ("raylet", "gcs_server", "dashboard", "ray::", "log_monitor", "monitor.py",
+                     "ray.util.client.server", "ray start", "runtime_env")),
+    ("benchmark client", ("loadtests.bench",)),
+)  # fmt: skip
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def group_of(comm: str, cmdline: str) -> str:
+    text = f"{comm}\0{cmdline}"
+    for name, needles in GROUPS:
+        if any(n in text for n in needles):
+            return name
+    return "other"
+
+
+def _read(pid_dir: Path) -> tuple[str, float] | None:
+    try:
+        stat = (pid_dir / "stat").read_text()
+        cmdline = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return None
+    comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2 :].split()
+    cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+    return group_of(comm, cmdline), cpu
+
+
+def cpu_by_group(proc: Path = Path("/proc")) -> dict[int, tuple[str, float]]:
+    """pid -> (group, CPU seconds used so far)."""
+    out: dict[int, tuple[str, float]] = {}
+    if not proc.is_dir():
+        return out
+    for d in proc.iterdir():
+        if d.name.isdigit():
+            r = _read(d)
+            if r is not None:
+                out[int(d.name)] = r
+    return out
+
+
+def split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+          wall_s: float) -> dict[str, float]:  # fmt: skip
+    """Cores used per group between two samples (CPU seconds / wall seconds), largest first."""
+    used: dict[str, float] = {}
+    for pid, (group, cpu) in after.items():
+        start = before.get(pid, (group, 0.0))[1]
+        used[group] = used.get(group, 0.0) + max(0.0, cpu - start)
+    return {g: round(s / wall_s, 3) for g, s in sorted(used.items(), key=lambda kv: -kv[1]) if s > 0}
