@@ -78,9 +78,12 @@ def completion_bodies(model: str, prompts: list[str], output_tokens: int) -> Any
 
 
 def measure(server: Server, make_body: Any, path: str, levels: list[int], requests: int,
-            log: Any = print) -> list[dict[str, Any]]:  # fmt: skip
+            log: Any = print, settle_s: float = 0.0) -> list[dict[str, Any]]:  # fmt: skip
     out = []
     asyncio.run(run_level(server.base_url, server.api_key, path, make_body, 4, WARMUP_REQUESTS))
+    # a Ray head keeps busy for a while after it answers (dashboard modules, agents); on 2 cores
+    # that decides the first level, so every server gets the same quiet period first
+    time.sleep(settle_s)
     for c in levels:
         load = load_avg()
         before, t0 = cpu_by_group(), time.monotonic()
@@ -164,7 +167,7 @@ def run_servers(a: argparse.Namespace, model: BenchModel, log: Any = print) -> d
             pid = f", process group {server.proc.pid}" if server.proc else ""
             log(f"  {kind} serving after {time.monotonic() - t0:.0f}s{pid}")
             make = completion_bodies(model.name, prompts, a.output_tokens)
-            results[kind] = measure(server, make, "/v1/completions", a.concurrency, a.requests, log)
+            results[kind] = measure(server, make, "/v1/completions", a.concurrency, a.requests, log, a.settle_s)
     return results
 
 
@@ -178,7 +181,7 @@ def run_prefix_routing(a: argparse.Namespace, model: BenchModel, log: Any = prin
         log(f"starting ours with 2 replicas, router {router} (load {load_avg():.1f})...")
         server = make_server("ours-ha" if a.ha else "ours", model, a.out / "logs", replicas=2, router=router)
         with running(server, a.start_timeout):
-            results[router] = measure(server, factory.body, factory.path, a.concurrency, a.requests, log)
+            results[router] = measure(server, factory.body, factory.path, a.concurrency, a.requests, log, a.settle_s)
     return results
 
 
@@ -200,6 +203,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="further vLLM flag for every server, e.g. num-gpu-blocks-override=64 (repeatable)")
     ap.add_argument("--gpu", action="store_true", help="CUDA vLLM, one GPU per server")
     ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--settle-s", type=float, default=30, help="idle seconds after warm-up, before the first level")
     ap.add_argument("--prefix-routing", action="store_true", help="prefix_affinity vs power_of_two, 2 replicas")
     ap.add_argument("--prefixes", type=int, default=8, help="prefix mode: shared system prompts")
     ap.add_argument("--prefix-chars", type=int, default=400, help="prefix mode: length of each")
