@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from serving.config import read_yaml, validation_message
 
 __all__ = [
     "SCENARIO_DIR", "RequestSpec", "SLO", "Scenario", "ScenarioError", "SharedPrefix", "Stage",
@@ -137,15 +138,8 @@ def _path(name_or_path: str | Path) -> Path:
 def load_scenario(name_or_path: str | Path) -> Scenario:
     """Load a scenario by name (``loadtests/scenarios/<name>.yaml``) or path."""
     p = _path(name_or_path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise ScenarioError(f"{p}: no such scenario (known: {', '.join(scenario_names())})") from None
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"{p}: not valid YAML: {exc}") from None
+    data = read_yaml(p, ScenarioError, f"no such scenario (known: {', '.join(scenario_names())})")
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:
-        lines = [f"{p}: invalid scenario:"]
-        lines += [f"  {'.'.join(map(str, e['loc'])) or '(top level)'}: {e['msg']}" for e in exc.errors()]
-        raise ScenarioError("\n".join(lines)) from None
+        raise ScenarioError(validation_message(str(p), "scenario", exc, data)) from None

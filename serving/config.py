@@ -31,6 +31,13 @@ __all__ = [
 ]
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
+
+
+def _check_name(v: str) -> str:
+    """Model and tenant names: they become Serve app names, metric labels and K8s-safe ids."""
+    if not NAME_RE.match(v):
+        raise ValueError("name must be 1-40 chars of lower-case letters, digits and '-'")
+    return v
 VERSION_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,30}$")
 
 
@@ -154,9 +161,7 @@ class ModelConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _model_name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError("name must be 1-40 chars of lower-case letters, digits and '-'")
-        return v
+        return _check_name(v)
 
     @model_validator(mode="after")
     def _weights(self) -> ModelConfig:
@@ -235,9 +240,7 @@ class TenantConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _tenant_name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError("name must be 1-40 chars of lower-case letters, digits and '-'")
-        return v
+        return _check_name(v)
 
     @field_validator("key_hashes")
     @classmethod
@@ -341,24 +344,33 @@ def _where(loc: tuple[int | str, ...], data: object) -> str:
     return ".".join(parts) or "(top level)"
 
 
+def validation_message(source: str, what: str, exc: ValidationError, data: object) -> str:
+    """One line per failing field, each located as ``models[adder].engine.dtype`` (list items by
+    their ``name``/``version`` where they have one); shared by every YAML file the project reads."""
+    lines = [f"{source}: invalid {what}:"]
+    lines += [f"  {_where(err['loc'], data)}: {err['msg']}" for err in exc.errors()]
+    return "\n".join(lines)
+
+
+def read_yaml(path: Path, error: type[Exception], missing: str) -> object:
+    """The parsed YAML of ``path``; a missing file or bad YAML raise ``error`` naming the file."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path}: {missing}") from None
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML: {exc}") from None
+
+
 def parse_config(data: object, source: str = "<config>") -> StackConfig:
     """Validate already-loaded YAML data; errors name the source and each failing field."""
     try:
         return StackConfig.model_validate(data)
     except ValidationError as exc:
-        lines = [f"{source}: invalid stack config:"]
-        for err in exc.errors():
-            lines.append(f"  {_where(err['loc'], data)}: {err['msg']}")
-        raise ConfigError("\n".join(lines)) from None
+        raise ConfigError(validation_message(source, "stack config", exc, data)) from None
 
 
 def load_config(path: str | Path) -> StackConfig:
     """Read and validate a stack config file."""
     p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no such config file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
-    return parse_config(data, str(p))
+    return parse_config(read_yaml(p, ConfigError, "no such config file"), str(p))

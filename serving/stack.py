@@ -102,6 +102,7 @@ def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
 
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a listener, not TIME_WAIT, means busy
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -122,3 +123,51 @@ def test_proxy_port_equal_to_port_is_refused() -> None:
 def test_a_restarted_gateway_replica_starts_before_the_old_one_stops() -> None:
     sc = build_serve_config(parse_config({"auth": {"mode": "open"}, "models": [MODEL]}))
     assert sc["applications"][0]["deployments"][0]["max_surge_percent"] == 100
+
+
+def test_a_stack_does_not_start_on_a_port_someone_listens_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway binds with SO_REUSEPORT, which would not fail on a taken port by itself."""
+    from serving import stack
+    from serving.config import LocalRayConfig
+
+    monkeypatch.setattr(stack, "RUN_DIR", tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"port\\(s\\) \\[{port}\\]"):
+            stack.start_ray("porttest", LocalRayConfig(), {}, "http://x", (port, _free_port()))
+    assert not list(tmp_path.iterdir())  # nothing was started or recorded
+
+
+async def test_a_cold_model_that_does_not_start_in_time_is_a_503_with_retry_after() -> None:
+    """ServeLeases waits for a replica (scale from zero) at most the model's cold_start_timeout_s,
+    then withdraws the queued lease call and answers 503 with Retry-After. Only Serve's handle is
+    replaced here; the cold start itself is tests/e2e/test_scaling.py."""
+    from serving.errors import Unavailable
+    from serving.gateway.deployment import ServeLeases
+    from serving.models.server import LeaseHint
+
+    cancelled: list[bool] = []
+
+    class NeverStarts:  # a lease call queued in Serve's router while no replica exists
+        async def __anext__(self) -> object:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        def cancel(self) -> None:
+            cancelled.append(True)
+
+    class Handle:
+        class lease:  # noqa: N801 - mirrors handle.lease.remote(...)
+            @staticmethod
+            def remote(hint: LeaseHint) -> NeverStarts:
+                return NeverStarts()
+
+    leases = ServeLeases()
+    leases._handles["cold--v1"] = Handle()  # type: ignore[assignment]
+    with pytest.raises(Unavailable) as err:
+        await leases.lease("cold--v1", LeaseHint(), timeout_s=0.3)
+    assert err.value.status == 503 and err.value.headers == {"retry-after": "5"}
+    assert "No replica of 'cold--v1' became available in 0s" in str(err.value)
+    assert cancelled == [True]

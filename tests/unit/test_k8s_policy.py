@@ -264,16 +264,21 @@ def test_containers_are_locked_down(overlay: str) -> None:
 IMAGE = re.compile(r"^(?P<repo>[a-z0-9./_-]+):(?P<tag>[A-Za-z0-9._-]+)$")
 
 
-def images(obj: Any) -> Iterator[str]:
+def values_at(obj: Any, key: str, kind: type) -> Iterator[Any]:
+    """Every value of type ``kind`` stored under ``key`` anywhere in a nested manifest."""
     if isinstance(obj, dict):
         for k, v in obj.items():
-            if k == "image" and isinstance(v, str):
+            if k == key and isinstance(v, kind):
                 yield v
             else:
-                yield from images(v)
+                yield from values_at(v, key, kind)
     elif isinstance(obj, list):
         for v in obj:
-            yield from images(v)
+            yield from values_at(v, key, kind)
+
+
+def images(obj: Any) -> Iterator[str]:
+    return values_at(obj, "image", str)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -304,15 +309,8 @@ SECRET_VALUE = re.compile(r"(sk-[A-Za-z0-9_-]{16,}|AKIA[0-9A-Z]{16}|-----BEGIN|[
 
 
 def envs(obj: Any) -> Iterator[dict[str, Any]]:
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if k == "env" and isinstance(v, list):
-                yield from v
-            else:
-                yield from envs(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from envs(v)
+    for env in values_at(obj, "env", list):
+        yield from env
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -77,7 +77,7 @@ def test_smoke_scenario_fits_the_integration_models() -> None:
 def test_invalid_scenario_names_file_and_field(tmp_path: Path) -> None:
     p = tmp_path / "bad.yaml"
     p.write_text("name: bad\nrequests: [{name: a, model: m, max_tokns: 3}]\nshape: [{duration_s: 5, users: 1}]\n")
-    with pytest.raises(ScenarioError, match=r"(?s)bad.yaml.*requests.0.max_tokns"):
+    with pytest.raises(ScenarioError, match=r"(?s)bad.yaml.*requests\[a\].max_tokns"):  # by name, as configs
         load_scenario(p)
     p.write_text("name: bad\nrequests: [{name: a, model: m}]\nshape: []\n")
     with pytest.raises(ScenarioError, match="shape"):
