@@ -130,6 +130,7 @@ def promote(
     config: Path = ConfigOpt,
     steps: str = typer.Option("10,50,100", help="Traffic percentages for the new version."),
     step_seconds: float = typer.Option(30, help="How long each step is watched."),
+    max_ttft_ratio: float = typer.Option(2.0, help="Roll back when the new version's mean TTFT exceeds the live one's times this (plus 50 ms)."),
     api_key_env: str = typer.Option("", help="Env var with an API key for warm-up requests."),
 ) -> None:
     """Verify, deploy beside the live version, warm up, shift traffic in steps under SLO watch,
@@ -142,7 +143,8 @@ def promote(
 
     cfg = _load(config)
     state, deployer = _running(cfg, config)
-    policy = SloPolicy(steps=tuple(int(x) for x in steps.split(",")), step_seconds=step_seconds)
+    policy = SloPolicy(steps=tuple(int(x) for x in steps.split(",")), step_seconds=step_seconds,
+                       max_ttft_ratio=max_ttft_ratio)
     headers = {"authorization": f"Bearer {os.environ[api_key_env]}"} if api_key_env else {}
     try:
         result = run_promotion(cfg, model, version, store=_store(cfg, config), deployer=deployer,  # type: ignore[arg-type]

@@ -75,8 +75,12 @@ def _exact(url: str, model: str, op: str) -> float:
 
 
 def _promote(stack: Stack, version: str, steps: str = "10,50,100") -> subprocess.CompletedProcess[str]:
+    # TTFT limit 5x (default 2x): on 2 cores a just-started engine answered at 2.2x the live one's
+    # TTFT in a CI run and the canary was (correctly, by its policy) rolled back; this test is about
+    # zero failed requests and the task switch; rollbacks are shown by v5 and tests/unit
     return subprocess.run([SERVING, "promote", "arith", version, "-c", str(stack.config), "--steps", steps,
-                           "--step-seconds", "8"], cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+                           "--step-seconds", "8", "--max-ttft-ratio", "5"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
 
 
 def test_promotion_under_load_then_broken_versions(stack: Stack, store: Path) -> None:
