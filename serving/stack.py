@@ -24,7 +24,7 @@ import httpx
 
 from serving.app import build_serve_config
 from serving.config import LocalRayConfig, StackConfig
-from serving.models.engine import check_layout
+from serving.models.engine import check_layout, pid_alive
 
 __all__ = [
     "StackState", "deploy", "ensure_models", "serve_status", "start_ray", "stop_stack", "up",
@@ -69,16 +69,6 @@ class StackState:
         return cls(**json.loads(path.read_text())) if path.exists() else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
     """Train every version that is missing locally and has a recipe; fail clearly otherwise;
     then check each model's parallel layout against its checkpoint and this machine."""
@@ -115,7 +105,7 @@ def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str
     """Start (or reuse) this stack's local Ray head; ``ports`` must be free for a new one (the
     gateway binds its port with SO_REUSEPORT, so a second stack on it would not fail by itself)."""
     state = StackState.load(name)
-    if state and _alive(state.ray_pid):
+    if state and pid_alive(state.ray_pid):
         return state
     busy = [p for p in ports if not _port_free(p)]
     if busy:
@@ -216,7 +206,7 @@ def stop_stack(name: str, log: Any = print) -> bool:
     state = StackState.load(name)
     if state is None:
         return False
-    if _alive(state.ray_pid):
+    if pid_alive(state.ray_pid):
         try:
             httpx.delete(f"{state.dashboard}/api/serve/applications/", headers=state.auth(), timeout=60)
             deadline = time.monotonic() + 60
@@ -230,7 +220,7 @@ def stop_stack(name: str, log: Any = print) -> bool:
             except ProcessLookupError:
                 break
             deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and _alive(state.ray_pid):
+            while time.monotonic() < deadline and pid_alive(state.ray_pid):
                 time.sleep(0.5)
     (RUN_DIR / f"{name}.json").unlink(missing_ok=True)
     state.token_path.unlink(missing_ok=True)  # Ray's logs stay in state.temp_dir for debugging

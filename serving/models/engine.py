@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from serving.config import ConfigError, EngineConfig, ModelConfig
 
-__all__ = ["EngineSpec", "check_layout", "claim_cores", "cpu_bind_groups", "vllm_command", "vllm_env"]
+__all__ = ["EngineSpec", "check_layout", "claim_cores", "cpu_bind_groups", "pid_alive", "vllm_command", "vllm_env"]
 
 # Node-local record of which cores each CPU engine is bound to (tmpfs: gone at reboot, per pod on K8s)
 CORE_LEDGER = Path(os.environ.get("RAYSTACK_CORE_LEDGER", "/dev/shm/raystack-engine-cores.json"))
@@ -80,7 +80,7 @@ def cpu_bind_groups(world_size: int, cpus: list[int]) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for ``world_size`` CPU ranks: the cores split into groups,
     ranks separated by ``|`` (e.g. ``0|1`` for two ranks on two cores)."""
     if world_size <= 1:
-        return ""
+        return ",".join(map(str, cpus))
     if len(cpus) < world_size:
         raise ValueError(f"{world_size} CPU ranks need at least {world_size} cores, have {len(cpus)}")
     size = len(cpus) // world_size
@@ -88,7 +88,8 @@ def cpu_bind_groups(world_size: int, cpus: list[int]) -> str:
     return "|".join(",".join(str(c) for c in g) if len(g) > 1 else str(g[0]) for g in groups)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (on this node)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -116,7 +117,7 @@ def claim_cores(count: int, owner: int, cpus: list[int] | None = None, ledger: P
             raw = json.loads(f.read() or "{}")
         except json.JSONDecodeError:
             raw = {}
-        claims = {int(pid): list(cores) for pid, cores in raw.items() if int(pid) != owner and _alive(int(pid))}
+        claims = {int(pid): list(cores) for pid, cores in raw.items() if int(pid) != owner and pid_alive(int(pid))}
         use = Counter(c for cores in claims.values() for c in cores)
         chosen = sorted(sorted(cpus, key=lambda c: (use[c], c))[: max(1, min(count, len(cpus)))])
         claims[owner] = chosen
@@ -140,7 +141,7 @@ def vllm_env(spec: EngineSpec, cores: list[int] | None = None) -> dict[str, str]
         env["VLLM_CPU_KVCACHE_SPACE"] = str(e.kv_cache_space_gib)
         world = e.tensor_parallel_size * e.pipeline_parallel_size
         if cores:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(world, cores) if world > 1 else ",".join(map(str, cores))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(world, cores)
         elif world > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(world, sorted(os.sched_getaffinity(0)))
     return env
