@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict
 
 from serving.config import ConfigError, EngineConfig, ModelConfig
 
-__all__ = ["EngineSpec", "check_layout", "claim_cores", "cpu_bind_groups", "pid_alive", "vllm_command", "vllm_env"]
+__all__ = ["EngineSpec", "check_layout", "claim_cores", "cpu_bind_groups", "pid_alive", "single_process",
+           "vllm_command", "vllm_env"]
 
 # Node-local record of which cores each CPU engine is bound to (tmpfs: gone at reboot, per pod on K8s)
 CORE_LEDGER = Path(os.environ.get("RAYSTACK_CORE_LEDGER", "/dev/shm/raystack-engine-cores.json"))
@@ -43,6 +44,29 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _extra(spec: EngineSpec, name: str) -> str | int | float | bool | None:
+    """An ``extra_args`` value whatever the spelling of its key (``a-b`` or ``a_b``)."""
+    for key, value in spec.engine.extra_args.items():
+        if key.replace("_", "-") == name:
+            return value
+    return None
+
+
+def single_process(spec: EngineSpec) -> bool:
+    """Whether the engine runs its model inside vLLM's ``EngineCore`` process (executor ``uni``).
+
+    That is the choice for a CPU engine of one rank unless ``extra_args`` names another executor.
+    vLLM's CPU platform otherwise uses the multiprocess executor even for one rank: a separate
+    worker process that ``EngineCore`` talks to through a shared-memory queue, both sides
+    spin-waiting (``sched_yield``) for each other at every step. On 2 cores those two spinners
+    took ~1.7 cores and starved vLLM's own API server: 22-25 requests/s at 8 clients with the
+    tokens of a request arriving in one burst, against 106-109 requests/s and TTFT p50 14 ms with
+    ``uni`` and one OpenMP thread (docs/performance.md, "vLLM on CPU: one process per engine").
+    """
+    backend = _extra(spec, "distributed-executor-backend")
+    return not spec.use_gpu and spec.world_size == 1 and backend in (None, "uni")
+
+
 def vllm_command(spec: EngineSpec, host: str, port: int, token: str) -> list[str]:
     """Arguments after ``python`` that start vLLM's OpenAI server for this spec."""
     e = spec.engine
@@ -66,6 +90,8 @@ def vllm_command(spec: EngineSpec, host: str, port: int, token: str) -> list[str
     ]  # fmt: skip
     if spec.use_gpu:
         args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
+    if single_process(spec) and _extra(spec, "distributed-executor-backend") is None:
+        args += ["--distributed-executor-backend", "uni"]
     for key, value in e.extra_args.items():
         if value is True:
             args.append(_flag(key))
@@ -128,8 +154,9 @@ def claim_cores(count: int, owner: int, cpus: list[int] | None = None, ledger: P
 
 
 def vllm_env(spec: EngineSpec, cores: list[int] | None = None) -> dict[str, str]:
-    """Environment for the engine process: offline, no prompt logging, CPU cache and binding
-    (to ``cores`` when given, split over the ranks; else vLLM's own choice for one rank)."""
+    """Environment for the engine process: offline, no prompt logging, CPU cache; for a
+    single-process CPU engine, in-process execution with ``cpus_per_rank`` OpenMP threads, else
+    the ranks' core binding (to ``cores`` when given, split over the ranks)."""
     env = {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -140,7 +167,13 @@ def vllm_env(spec: EngineSpec, cores: list[int] | None = None) -> dict[str, str]
         e = spec.engine
         env["VLLM_CPU_KVCACHE_SPACE"] = str(e.kv_cache_space_gib)
         world = e.tensor_parallel_size * e.pipeline_parallel_size
-        if cores:
+        if single_process(spec):
+            # vLLM's CPU platform keeps the ``uni`` executor only with this set; the API server
+            # still starts EngineCore as its own process. No binding: the API server shares
+            # the cores, and vLLM binds threads only in its multiprocess executor.
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            env["OMP_NUM_THREADS"] = str(max(1, int(spec.cpus_per_rank)))
+        elif cores:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(world, cores)
         elif world > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(world, sorted(os.sched_getaffinity(0)))

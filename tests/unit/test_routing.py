@@ -9,7 +9,7 @@ import pytest
 
 from serving.errors import NotFound
 from serving.gateway.routing import RoutingTable
-from serving.models.engine import EngineSpec, cpu_bind_groups, vllm_command, vllm_env
+from serving.models.engine import EngineSpec, cpu_bind_groups, single_process, vllm_command, vllm_env
 from serving.models.routers import pick_by_session
 from serving.config import EngineConfig, ModelConfig
 
@@ -109,9 +109,36 @@ def test_engines_of_one_node_get_cores_apart(tmp_path: Path) -> None:
         sleeper.wait()
     spec = EngineSpec(model="m", version="v1", path="/p", engine=EngineConfig(tensor_parallel_size=2))
     assert vllm_env(spec, [2, 3])["VLLM_CPU_OMP_THREADS_BIND"] == "2|3"
-    one = EngineSpec(model="m", version="v1", path="/p", engine=EngineConfig())
-    assert vllm_env(one, [1])["VLLM_CPU_OMP_THREADS_BIND"] == "1"
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env(one)  # no ledger: vLLM's own choice
+    mp = EngineSpec(model="m", version="v1", path="/p",
+                    engine=EngineConfig(extra_args={"distributed_executor_backend": "mp"}))  # fmt: skip
+    assert vllm_env(mp, [1])["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env(mp)  # no ledger: vLLM's own choice
+
+
+def test_one_rank_cpu_engines_run_in_one_process() -> None:
+    """vLLM's CPU platform would start a separate worker process that spin-waits with EngineCore;
+    one rank runs in EngineCore itself (executor ``uni``), with cpus_per_rank OpenMP threads."""
+    one = EngineSpec(model="m", version="v1", path="/p", engine=EngineConfig(), cpus_per_rank=2)
+    assert single_process(one)
+    cmd = vllm_command(one, "127.0.0.1", 9000, "tok")
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    env = vllm_env(one, [0, 1])
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "2"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env
+    # an executor named in extra_args wins, given once
+    for backend in ("mp", "uni"):
+        named = EngineSpec(model="m", version="v1", path="/p",
+                           engine=EngineConfig(extra_args={"distributed-executor-backend": backend}))  # fmt: skip
+        cmd = vllm_command(named, "127.0.0.1", 9000, "tok")
+        assert cmd.count("--distributed-executor-backend") == 1
+        assert ("VLLM_ENABLE_V1_MULTIPROCESSING" in vllm_env(named)) == (backend == "uni")
+    # more than one rank, or a GPU: vLLM's multiprocess executor as before
+    tp2 = EngineSpec(model="m", version="v1", path="/p", engine=EngineConfig(tensor_parallel_size=2))
+    gpu = EngineSpec(model="m", version="v1", path="/p", engine=EngineConfig(), use_gpu=True, gpus_per_rank=1)
+    for spec in (tp2, gpu):
+        assert not single_process(spec)
+        assert "--distributed-executor-backend" not in vllm_command(spec, "127.0.0.1", 9000, "tok")
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(spec)
 
 
 def _model(**engine: object) -> ModelConfig:
