@@ -8,7 +8,7 @@
 #   loadtests/gpu_bench.sh                      # writes reports/gpu-bench-<time>/bench.{md,json,png}
 #
 # Knobs (environment): PYTHON, MODEL_DIR, OUT, CONCURRENCY ("1 8 32 64"), REQUESTS (per concurrency),
-# PROMPT_TOKENS, OUTPUT_TOKENS, SERVERS (bare,rayllm,ours; add rayllm-ha,ours-ha for Ray Serve's
+# PROMPT_TOKENS, OUTPUT_TOKENS, SERVERS (bare,rayllm,ours,ours-lease; add rayllm-ha,ours-ha for Ray Serve's
 # HAProxy ingress mode). Each server gets the whole GPU in turn and is stopped before the next starts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ CONCURRENCY=${CONCURRENCY:-"1 8 32 64"}
 REQUESTS=${REQUESTS:-400}
 PROMPT_TOKENS=${PROMPT_TOKENS:-256}
 OUTPUT_TOKENS=${OUTPUT_TOKENS:-128}
-SERVERS=${SERVERS:-bare,rayllm,ours}
+SERVERS=${SERVERS:-bare,rayllm,ours,ours-lease}
 
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
 if [ -n "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ]; then

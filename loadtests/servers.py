@@ -2,14 +2,20 @@
 
 - ``bare``: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``), with the
   command line our model replicas use (:func:`serving.models.engine.vllm_command`), so the engine
-  arguments are the same by construction.
+  arguments are the same by construction (on CPU with one rank that includes the single-process
+  executor, :func:`serving.models.engine.single_process`).
+- ``bare-mp``: the same with vLLM's own CPU default, the multiprocess executor (a separate worker
+  process): what a user of vLLM gets without that tuning.
 - ``rayllm``: stock ``ray.serve.llm.build_openai_app`` on a private local Ray
   (:mod:`loadtests.rayllm_app`), the same engine arguments as ``engine_kwargs``.
 - ``ours``: this project's stack through ``serving up`` / ``serving down`` with a generated stack
   config (auth open) pointing at the same model directory; the gateway replicas serve the port
-  themselves (``gateway.ingress: direct``, the default).
-- ``ours-proxy``: the same behind Ray Serve's HTTP proxy (``gateway.ingress: serve_proxy``, the
-  design before the direct listener): the "before" of docs/performance.md.
+  themselves (``gateway.ingress: direct``) and pick model replicas themselves
+  (``gateway.replica_routing: direct``), the defaults.
+- ``ours-lease``: the same with one Serve lease call per request (``replica_routing: serve``, the
+  design of session 2).
+- ``ours-proxy``: the same behind Ray Serve's HTTP proxy as well (``gateway.ingress: serve_proxy``,
+  the design of session 1). These two are the "before" of docs/performance.md.
 - ``*-ha``: the same with ``RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=1`` in the
   environment of Ray (Ray Serve's HAProxy ingress mode); without the suffix both are removed.
   ``ours-ha`` uses Serve's ingress (``serve_proxy``), which HAProxy mode replaces.
@@ -44,7 +50,7 @@ __all__ = ["HA_ENV", "BenchModel", "Server", "make_server", "running"]
 ROOT = Path(__file__).resolve().parents[1]
 HA_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
 HAPROXY_DIR = Path("/tmp/haproxy-serve")  # Ray's HAProxy working files; it leaves them behind
-KINDS = ("bare", "rayllm", "rayllm-ha", "ours", "ours-proxy", "ours-ha")
+KINDS = ("bare", "bare-mp", "rayllm", "rayllm-ha", "ours", "ours-lease", "ours-proxy", "ours-ha")
 
 
 @dataclass(frozen=True)
@@ -154,7 +160,7 @@ class Server:
     def start(self, timeout_s: float = 900) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.haproxy_before = _haproxy_dirs()
-        getattr(self, f"_start_{self.kind.removesuffix('-ha').removesuffix('-proxy')}")(timeout_s)
+        getattr(self, f"_start_{self.kind.split('-')[0]}")(timeout_s)
         wait_serving(self.base_url, self.api_key, self.model.name, timeout_s, self.proc)
 
     def stop(self) -> None:
@@ -179,6 +185,9 @@ class Server:
 
     def _start_bare(self, timeout_s: float) -> None:
         spec = self.model.spec()
+        if self.kind == "bare-mp":
+            extra = {**spec.engine.extra_args, "distributed-executor-backend": "mp"}
+            spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"extra_args": extra})})
         self.api_key = secrets.token_urlsafe(16)
         cmd = [sys.executable, *vllm_command(spec, "127.0.0.1", self.port, self.api_key)]
         with self._log() as log:  # the child keeps its own copy of the descriptor
@@ -203,8 +212,9 @@ class Server:
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def _start_ours(self, timeout_s: float) -> None:
-        ingress = "direct" if self.kind == "ours" else "serve_proxy"
-        cfg = our_stack_config(self.model, self.port, ingress=ingress, **self.stack)
+        ingress = "direct" if self.kind in ("ours", "ours-lease") else "serve_proxy"
+        routing = "direct" if self.kind == "ours" else "serve"
+        cfg = our_stack_config(self.model, self.port, ingress=ingress, replica_routing=routing, **self.stack)
         self.config_path = (self.log_dir / f"stack-{cfg['name']}.yaml").resolve()  # serving runs in ROOT
         self.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -233,12 +243,13 @@ def _serving_bin() -> str:
 
 
 def our_stack_config(model: BenchModel, port: int, replicas: int = 1, router: str = "power_of_two", ingress: str = "direct",
-                     name: str = "bench", gcs_port: int = 6393, dashboard_port: int = 8278,
+                     replica_routing: str = "direct", name: str = "bench", gcs_port: int = 6393, dashboard_port: int = 8278,
                      metrics_export_port: int = 8088) -> dict[str, Any]:  # fmt: skip
     """A stack config serving only ``model`` (auth open), on ports apart from the default stacks."""
     return {
         "name": name,
-        "gateway": {"host": "127.0.0.1", "port": port, "num_replicas": 1, "ingress": ingress},
+        "gateway": {"host": "127.0.0.1", "port": port, "num_replicas": 1, "ingress": ingress,
+                    "replica_routing": replica_routing},
         "local_ray": {"gcs_port": gcs_port, "dashboard_port": dashboard_port,
                       "metrics_export_port": metrics_export_port, "num_cpus": 8},  # fmt: skip
         "auth": {"mode": "open"},
@@ -276,7 +287,7 @@ def wait_serving(base_url: str, api_key: str | None, model: str, timeout_s: floa
 def make_server(kind: str, model: BenchModel, log_dir: Path, **stack: Any) -> Server:
     if kind not in KINDS:
         raise ValueError(f"unknown server {kind!r} (known: {', '.join(KINDS)})")
-    port = {"bare": 8031, "rayllm": 8032, "rayllm-ha": 8032}.get(kind, 8021)
+    port = {"bare": 8031, "bare-mp": 8031, "rayllm": 8032, "rayllm-ha": 8032}.get(kind, 8021)
     return Server(kind, model, log_dir, port, stack=stack)
 
 

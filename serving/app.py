@@ -49,6 +49,7 @@ def routing_user_config(cfg: StackConfig) -> dict[str, Any]:
                 "cold_start_timeout_s": m.deployment.cold_start_timeout_s,
                 "scale_to_zero": bool(m.deployment.autoscaling and m.deployment.autoscaling.min_replicas == 0),
                 "shed_low_priority_at": _shed_at(m),
+                "max_ongoing_requests": m.deployment.max_ongoing_requests,
                 "versions": [
                     {"version": v.version, "weight": v.weight, "app": app_name(m.name, v.version)}
                     for v in m.versions
@@ -146,6 +147,7 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
                 "retries": g.retries,
                 "upstream_timeout_s": g.upstream_timeout_s,
                 "expose_replica_header": g.expose_replica_header,
+                "replica_routing": g.replica_routing,
             },
             # ingress direct: every gateway replica serves the OpenAI API on host:port itself
             "listen": {"host": g.host, "port": g.port} if g.ingress == "direct" else None,

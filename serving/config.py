@@ -104,7 +104,9 @@ class DeploymentOptions(_Strict):
 
     num_replicas: int = Field(1, ge=1, description="Fixed replica count (ignored if autoscaling).")
     autoscaling: AutoscalingConfig | None = Field(None, description="If set, replaces num_replicas.")
-    max_ongoing_requests: int = Field(64, ge=1, description="Requests leased to one replica at once.")
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="In-flight requests one replica gets (per gateway replica when picked directly)."
+    )
     max_queued_requests: int = Field(
         256, ge=1, description="Requests waiting per gateway for a replica; beyond that: 429."
     )
@@ -195,6 +197,12 @@ class GatewayConfig(_Strict):
         None, ge=1, le=65535,
         description="Port of Ray Serve's own HTTP proxy when ingress is direct (health only); default port+1.",
     )  # fmt: skip
+    replica_routing: Literal["direct", "serve"] = Field(
+        "direct",
+        description="direct: the gateway picks model replicas itself from their published endpoints "
+        "(power of two choices, no Ray call per request); serve: one Serve lease call per request. "
+        "Prefix/session affinity and cold starts always use Serve.",
+    )
     num_replicas: int = Field(1, ge=1, description="Fixed gateway replicas (ignored if autoscaling).")
     autoscaling: AutoscalingConfig | None = Field(
         None, description="Scale gateway replicas on their own in-flight requests."

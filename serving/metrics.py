@@ -75,8 +75,7 @@ class EngineMetrics:
             "waiting": m.Gauge("raystack_engine_requests_waiting", "Sequences queued in vLLM.", tag_keys=keys),
         }  # fmt: skip
 
-    def update(self, text: str, tags: dict[str, str]) -> None:
-        values = parse_prometheus_values(text, set(self.FIELDS))
+    def set(self, values: dict[str, float], tags: dict[str, str]) -> None:
         for name, value in values.items():
             self.gauges[self.FIELDS[name]].set(value, tags=tags)
 

@@ -121,10 +121,11 @@ def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> 
             headers["x-request-id"] = rid
         if core.settings.expose_replica_header:
             headers["x-replica"] = result.replica
+            headers["x-replica-route"] = result.route
             headers["x-gateway-replica"] = core.settings.replica_id
-        logger.info("[%s] %s tenant=%s model=%s@%s replica=%s attempts=%d %.1fms", rid, kind,
+        logger.info("[%s] %s tenant=%s model=%s@%s replica=%s (%s) attempts=%d %.1fms", rid, kind,
                     tenant.name, resolved.model.name, resolved.version.version, result.replica,
-                    result.attempts, (time.monotonic() - started) * 1000)  # fmt: skip
+                    result.route, result.attempts, (time.monotonic() - started) * 1000)  # fmt: skip
         if result.stream is not None:
             headers["cache-control"] = "no-cache"
             return _Stream(result, headers)

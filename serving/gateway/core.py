@@ -1,7 +1,7 @@
 """Gateway core: the object graph behind the HTTP routes, built once per gateway replica.
 
 It owns the routing table and tenants (from the Serve ``user_config``, so both change in place),
-one pooled HTTP client, the lease provider, quotas and metrics. Route handlers stay thin: parse,
+one pooled HTTP client, the replica finder (direct picks or Serve leases), quotas and metrics. Route handlers stay thin: parse,
 authenticate, resolve, call :meth:`GatewayCore.complete`, render.
 """
 
@@ -38,10 +38,11 @@ class GatewaySettings:
     replica_id: str = ""
     # Ray Serve's proxy already echoes x-request-id on responses; plain ASGI use needs it added.
     set_request_id_header: bool = True
+    replica_routing: str = "direct"  # direct | serve (serving.endpoints)
 
 
 class LeaseProvider(Protocol):
-    async def lease(self, app: str, hint: LeaseHint, timeout_s: float) -> Lease: ...
+    async def lease(self, app: str, hint: LeaseHint, timeout_s: float, limit: int = 0) -> Lease: ...
 
     async def ready(self, app: str, timeout_s: float) -> bool: ...
 
@@ -165,12 +166,12 @@ class GatewayCore:
         model = resolved.model.name
         self._shed(model, tenant)
         hint = self.hint_for(resolved, parsed, session_id)
-        app, timeout = resolved.version.app, resolved.model.cold_start_timeout_s
+        app, timeout, limit = resolved.version.app, resolved.model.cold_start_timeout_s, resolved.model.max_ongoing
         exchange = Exchange(self, parsed, resolved, tenant)
         self.in_flight[model] += 1
 
         async def leaser() -> Lease:
-            return await self.leases.lease(app, hint, timeout)
+            return await self.leases.lease(app, hint, timeout, limit)
 
         try:
             result = await forward(client=self.client, leaser=leaser, path=path,

@@ -1,4 +1,5 @@
-"""The gateway as a Ray Serve ingress deployment, and leases through Serve deployment handles."""
+"""The gateway as a Ray Serve ingress deployment; model replicas picked directly from their
+published endpoints (:mod:`serving.endpoints`) or leased through Serve deployment handles."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from serving.endpoints import KV, EndpointTable, RayKV
 from serving.gateway.api import create_api
 from serving.gateway.core import GatewayCore, GatewaySettings, unavailable
-from serving.gateway.proxy import ReplicaGone
+from serving.gateway.proxy import Lease, ReplicaGone
 from serving.models.server import Endpoint, LeaseHint
 
 logger = logging.getLogger("serving.gateway")
@@ -34,6 +36,7 @@ class _ServeLease:
     Ray fails that call at once and ``died`` is set, so the gateway stops waiting on its sockets."""
 
     __slots__ = ("_gen", "_watcher", "died", "replica", "token", "url")
+    route = "serve"
 
     def __init__(self, gen: DeploymentResponseGenerator, endpoint: Endpoint) -> None:
         self._gen = gen
@@ -52,16 +55,31 @@ class _ServeLease:
         except BaseException:  # noqa: BLE001 - cancelled by release(), or the lease ended
             return
 
-    def release(self) -> None:
+    def release(self, failed: bool = False) -> None:
         self._watcher.cancel()
         _cancel(self._gen)
 
 
 class ServeLeases:
-    """Leases model replicas through Serve handles (one per model-version application)."""
+    """Finds a model replica for each request. With ``direct``, requests that need no routing
+    hint (power of two choices) go to a replica this gateway picks from the published endpoints,
+    with no Ray call; the others, and any request for an app with no known endpoint (cold, scaled
+    to zero) or whose picked replicas are at ``limit``, lease through Serve's handle and router."""
 
-    def __init__(self) -> None:
+    def __init__(self, direct: bool = False, kv: KV | None = None) -> None:
         self._handles: dict[str, DeploymentHandle] = {}
+        self.table = EndpointTable() if direct else None
+        self._kv = kv
+        self._refresher: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start reading endpoints (in the replica's event loop)."""
+        if self.table is not None and self._refresher is None:
+            self._refresher = asyncio.ensure_future(self.table.refresh_forever(self._kv or RayKV()))
+
+    def stop(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
 
     def _handle(self, app: str) -> DeploymentHandle:
         h = self._handles.get(app)
@@ -70,7 +88,12 @@ class ServeLeases:
             self._handles[app] = h
         return h
 
-    async def lease(self, app: str, hint: LeaseHint, timeout_s: float) -> _ServeLease:
+    async def lease(self, app: str, hint: LeaseHint, timeout_s: float, limit: int = 0) -> Lease:
+        if self.table is not None and hint.prompt is None and hint.session_id is None:
+            self.start()
+            picked = self.table.pick(app, limit)
+            if picked is not None:
+                return picked
         gen = self._handle(app).lease.remote(hint)
         try:
             endpoint = await asyncio.wait_for(gen.__anext__(), timeout_s)
@@ -115,7 +138,9 @@ class Gateway:
 
         replica = str(serve.get_replica_context().replica_tag)
         settings = {**settings, "set_request_id_header": False, "replica_id": replica}  # Serve's proxy sets x-request-id
-        self.core = GatewayCore(GatewaySettings(**settings), ServeLeases(), GatewayMetrics())
+        gs = GatewaySettings(**settings)
+        self.leases = ServeLeases(direct=gs.replica_routing == "direct")
+        self.core = GatewayCore(gs, self.leases, GatewayMetrics())
         self._listener = None
         if listen:
             from serving.gateway.direct import DirectListener
@@ -126,6 +151,7 @@ class Gateway:
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         self.core.reconfigure(user_config)
+        self.leases.start()
         if self._listener is not None and not self._listener.started:
             await self._listener.start()  # only once a routing table exists
 
@@ -137,6 +163,7 @@ class Gateway:
         return {RUNNING_REQUESTS_KEY: float(self._listener.in_flight)}
 
     async def __del__(self) -> None:
+        self.leases.stop()
         if self._listener is not None:
             await self._listener.stop()
         await self.core.aclose()

@@ -1,7 +1,8 @@
-"""Forwarding: lease a replica through Ray Serve, stream its HTTP bytes back, fail over.
+"""Forwarding: get a replica (picked directly or leased through Ray Serve), stream its HTTP
+bytes back, fail over.
 
-Per request there is one Ray call (the lease) and one HTTP exchange with the replica's vLLM
-server; tokens never travel through Ray. A failure before the first byte reaches the client
+Per request there is one HTTP exchange with the replica's vLLM server (and, for leases, one Ray
+call); tokens never travel through Ray. A failure before the first byte reaches the client
 (connection refused, engine dead, replica gone) releases the lease and retries on another replica;
 after the first byte, the stream ends with an SSE error event, never a silent cut.
 """
@@ -32,8 +33,9 @@ class Lease(Protocol):
     token: str
     replica: str
     died: asyncio.Event  # set when the leased replica dies (Ray tells the lease call at once)
+    route: str  # "direct" (picked by the gateway) or "serve" (leased through Serve's router)
 
-    def release(self) -> None: ...
+    def release(self, failed: bool = False) -> None: ...
 
 
 Leaser = Callable[[], Awaitable[Lease]]
@@ -60,6 +62,7 @@ class UpstreamResult:
     body: bytes | None = None
     stream: AsyncIterator[bytes] | None = None
     replica: str = ""
+    route: str = ""
     attempts: int = 1
     # Releases the lease and the upstream response if the stream was never (fully) iterated,
     # e.g. the client went away before the first byte was sent; idempotent.
@@ -246,7 +249,7 @@ async def forward(
                     data = normalize_upstream_error(resp.status_code, data)
                 obs.finish(resp.status_code, data)
                 return UpstreamResult(resp.status_code, headers, data, replica=lease.replica,
-                                      attempts=attempt)  # fmt: skip
+                                      route=lease.route, attempts=attempt)  # fmt: skip
             chunks = _pump(resp.aiter_raw(), lease)
             try:
                 first = await _unless_dead(_first_chunk(resp, chunks), lease)
@@ -254,7 +257,7 @@ async def forward(
                 await resp.aclose()
                 raise
         except _RetryableFailure as exc:
-            lease.release()
+            lease.release(failed=True)
             last = str(exc)
             logger.warning("[%s] attempt %d on %s failed: %s", request_id, attempt, lease.replica, last)
             continue
@@ -264,7 +267,7 @@ async def forward(
         cleanup = _Cleanup(resp, lease, obs)
         return UpstreamResult(
             200, headers, stream=_relay(first, chunks, cleanup, request_id, obs),
-            replica=lease.replica, attempts=attempt, aclose=cleanup,
+            replica=lease.replica, route=lease.route, attempts=attempt, aclose=cleanup,
         )  # fmt: skip
     obs.finish(502)
     raise UpstreamError(f"No model replica could serve the request after {retries + 1} attempts.")

@@ -32,6 +32,7 @@ class ModelRoute:
     cold_start_timeout_s: float = 120.0
     scale_to_zero: bool = False
     created: int = 0
+    max_ongoing: int = 0  # per replica; a gateway picking directly leases through Serve beyond it
 
     def version(self, version: str) -> VersionRoute | None:
         return next((v for v in self.versions if v.version == version), None)
@@ -63,6 +64,7 @@ class RoutingTable:
                 cold_start_timeout_s=float(m.get("cold_start_timeout_s", 120.0)),
                 scale_to_zero=bool(m.get("scale_to_zero", False)),
                 created=int(m.get("created", 0)),
+                max_ongoing=int(m.get("max_ongoing_requests", 0)),
             )
             table.models[route.name] = route
             for alias in route.aliases:

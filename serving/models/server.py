@@ -5,9 +5,16 @@ object-stream item, and the stock path measured at 0.46x bare vLLM's throughput 
 (shared/ENVIRONMENT.md). Here the replica runs vLLM's own OpenAI server as a child process on a
 private port guarded by a per-replica random token, and the gateway streams HTTP bytes from it
 directly. Ray Serve still does what it is good at -- placement, health checks, restarts,
-autoscaling, queue-length-aware routing -- through one *lease* call per request: ``lease()`` is a
-streaming method that yields the replica's endpoint and then stays open until the gateway cancels
-it when the request ends, so Serve counts in-flight requests per replica exactly.
+autoscaling -- and the gateway finds the replica one of two ways:
+
+- **direct** (``gateway.replica_routing: direct``, the default, for power-of-two routing): the
+  replica publishes its endpoint in Ray's key-value store (:mod:`serving.endpoints`) and the
+  gateway picks among them itself; no Ray call per request. The replica reports its engine's
+  running + waiting requests to Serve's autoscaler (``record_autoscaling_stats``), and when Serve
+  stops it, it withdraws its endpoint and drains before stopping vLLM.
+- **lease**: one Serve call per request (prefix or session affinity, scale from zero, or
+  ``replica_routing: serve``): ``lease()`` is a streaming method that yields the endpoint and stays
+  open until the gateway cancels it when the request ends, so Serve's router sees it.
 """
 
 from __future__ import annotations
@@ -27,9 +34,12 @@ from typing import Any
 
 import httpx
 
-from serving.models.engine import EngineSpec, claim_cores, vllm_command, vllm_env
+from serving import endpoints
+from serving.models.engine import EngineSpec, claim_cores, single_process, vllm_command, vllm_env
 
 logger = logging.getLogger("ray.serve")
+
+DRAIN_S = 50.0  # within the model deployment's graceful_shutdown_timeout_s (60, serving/app.py)
 
 __all__ = ["Endpoint", "LeaseHint", "ModelServer"]
 
@@ -107,9 +117,10 @@ def _placement_group_gpus(spec: EngineSpec) -> str | None:
 
 
 def _engine_cores(spec: EngineSpec) -> list[int] | None:
-    """Cores for a CPU engine, as many as its placement group reserved (``cpus_per_rank`` per
-    rank), apart from the other engines on this node where the node has enough."""
-    if spec.use_gpu:
+    """Cores for a multi-rank CPU engine, as many as its placement group reserved
+    (``cpus_per_rank`` per rank), apart from the other engines on this node where the node has
+    enough. A single-process engine is not bound (see ``single_process``)."""
+    if spec.use_gpu or single_process(spec):
         return None
     try:
         cores = claim_cores(spec.world_size * max(1, int(spec.cpus_per_rank)), os.getpid())
@@ -120,13 +131,21 @@ def _engine_cores(spec: EngineSpec) -> list[int] | None:
     return cores
 
 
-def _replica_tag() -> str:
+def _replica_tag() -> tuple[str, str | None]:
+    """This replica's tag and Serve application (None outside Serve)."""
     try:
         from ray import serve
 
-        return str(serve.get_replica_context().replica_tag)
+        ctx = serve.get_replica_context()
+        return str(ctx.replica_tag), str(ctx.app_name)
     except Exception:
-        return f"pid-{os.getpid()}"
+        return f"pid-{os.getpid()}", None
+
+
+try:  # the key Serve's default autoscaling policy reads from a replica's report
+    from ray.serve._private.common import RUNNING_REQUESTS_KEY
+except ImportError:  # pragma: no cover - tests/unit/test_gateway_direct.py fails loudly if it moves
+    RUNNING_REQUESTS_KEY = "running_requests"
 
 
 class ModelServer:
@@ -137,7 +156,7 @@ class ModelServer:
         self.host = _node_ip()
         self.port = _free_port(self.host)
         self.token = secrets.token_urlsafe(24)
-        self.replica = _replica_tag()
+        self.replica, self.app = _replica_tag()
         self.endpoint = Endpoint(f"http://{self.host}:{self.port}", self.token, self.replica)
         env = {**os.environ, **vllm_env(self.spec, _engine_cores(self.spec))}
         gpus = _placement_group_gpus(self.spec)
@@ -150,24 +169,59 @@ class ModelServer:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self._wait_ready()
         self._metrics_task: asyncio.Task[None] | None = None
+        self._load = 0.0  # the engine's running + waiting requests, read every second
+        self._draining = False
+        self._kv: endpoints.KV | None = None
+        if self.app is not None:
+            try:
+                self._kv = endpoints.RayKV()
+                self._publish()
+            except Exception as exc:  # noqa: BLE001 - without the store, gateways lease through Serve
+                logger.warning("cannot publish the endpoint (%s); gateways will lease through Serve", exc)
+                self._kv = None
 
-    async def _bridge_engine_metrics(self) -> None:
-        """Every 5 s, copy the engine's KV-cache use and queue lengths into Ray's metrics."""
+    def _publish(self) -> None:
+        if self._kv is not None and self.app is not None and not self._draining and self.proc.poll() is None:
+            endpoints.publish(self._kv, self.app, self.replica, self.endpoint.url, self.endpoint.token)
+
+    async def _engine_values(self) -> dict[str, float]:
+        from serving.metrics import EngineMetrics, parse_prometheus_values
+
+        resp = await self._client.get(f"{self.endpoint.url}/metrics")
+        return parse_prometheus_values(resp.text, set(EngineMetrics.FIELDS))
+
+    async def _background(self) -> None:
+        """Every second: the engine's load (for autoscaling and draining); every 2 s the endpoint
+        heartbeat; every 5 s the engine gauges into Ray's metrics."""
         from serving.metrics import EngineMetrics
 
         metrics = EngineMetrics()
         tags = {"model": self.spec.model, "version": self.spec.version, "replica": self.replica}
+        tick = 0
         while True:
             try:
-                resp = await self._client.get(f"{self.endpoint.url}/metrics")
-                metrics.update(resp.text, tags)
+                values = await self._engine_values()
+                self._load = values.get("vllm:num_requests_running", 0.0) + values.get("vllm:num_requests_waiting", 0.0)
+                if tick % 5 == 0:
+                    metrics.set(values, tags)
             except httpx.HTTPError:
                 pass
-            await asyncio.sleep(5)
+            if tick % int(endpoints.HEARTBEAT_S) == 0:
+                try:
+                    await asyncio.to_thread(self._publish)
+                except Exception as exc:  # noqa: BLE001 - gateways drop the record when it goes stale
+                    logger.warning("endpoint heartbeat failed: %s", exc)
+            tick += 1
+            await asyncio.sleep(1)
 
     def _ensure_metrics_task(self) -> None:
         if self._metrics_task is None:
-            self._metrics_task = asyncio.get_running_loop().create_task(self._bridge_engine_metrics())
+            self._metrics_task = asyncio.get_running_loop().create_task(self._background())
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The engine's running + waiting requests: with direct routing Serve does not see the
+        requests, and with leases the engine counts the same ones."""
+        return {RUNNING_REQUESTS_KEY: self._load}
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
@@ -216,5 +270,23 @@ class ModelServer:
                 except ProcessLookupError:
                     pass
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve stops this replica (scale-down, promotion, shutdown): withdraw the endpoint, give
+        the gateways time to stop picking it, let the requests they already sent finish (within
+        the deployment's graceful_shutdown_timeout_s), then stop vLLM."""
+        if getattr(self, "_kv", None) is not None and self.app is not None and self.proc.poll() is None:
+            self._draining = True
+            try:
+                await asyncio.to_thread(endpoints.withdraw, self._kv, self.app, self.replica)
+                await asyncio.sleep(2 * endpoints.REFRESH_S + 0.5)
+                deadline = time.monotonic() + DRAIN_S
+                while time.monotonic() < deadline:
+                    values = await self._engine_values()
+                    if values.get("vllm:num_requests_running", 0.0) + values.get("vllm:num_requests_waiting", 0.0) == 0:
+                        break
+                    await asyncio.sleep(0.5)
+            except Exception as exc:  # noqa: BLE001 - stop anyway
+                logger.warning("draining %s: %s", self.replica, exc)
+        if getattr(self, "_metrics_task", None) is not None:
+            self._metrics_task.cancel()
         self._stop()

@@ -104,6 +104,18 @@ def test_session_affinity_pins_a_session_to_one_replica(stack: Stack) -> None:
     assert len(spread) == 2  # adder has two replicas; sessions are spread over both
 
 
+def test_replicas_are_picked_directly_unless_a_router_needs_serve(stack: Stack) -> None:
+    """adder without a session: the gateway picks among the endpoints the replicas published
+    (no Ray call); with a session, and subtractor (prefix affinity): Serve's routers."""
+    plain = [_post(stack, "main", ADD) for _ in range(12)]
+    assert {r.headers["x-replica-route"] for r in plain} == {"direct"}
+    assert len({r.headers["x-replica"] for r in plain}) == 2  # power of two over both replicas
+    assert all(r.json()["choices"][0]["text"].strip() == "42" for r in plain)
+    session = _post(stack, "main", ADD, **{"x-session-id": "s-route"})
+    prefix = _post(stack, "main", {"model": "subtractor", "prompt": "50-8=", "max_tokens": 3, "temperature": 0})
+    assert session.headers["x-replica-route"] == prefix.headers["x-replica-route"] == "serve"
+
+
 def test_prefix_affinity_model_serves(stack: Stack) -> None:
     r = _post(stack, "main", {"model": "subtractor", "prompt": "50-8=", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"].strip() == "42"

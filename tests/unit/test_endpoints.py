@@ -1,0 +1,198 @@
+"""Direct replica routing: the endpoint records, the gateway's table and its fallbacks to Serve."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+
+from serving.endpoints import EndpointTable, Record, publish, read_records, withdraw
+from serving.models.server import LeaseHint
+
+
+class DictKV:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def put(self, key: str, value: bytes) -> None:
+        self.data[key] = value
+
+    def delete(self, key: str) -> None:
+        self.data.pop(key, None)
+
+    def scan(self, prefix: str) -> dict[str, bytes]:
+        return {k: v for k, v in self.data.items() if k.startswith(prefix)}
+
+
+def _rec(app: str, replica: str, ts: float = 1000.0) -> Record:
+    return Record(app, replica, f"http://10.0.0.1:{9000 + len(replica)}", "tok-" + replica, ts)
+
+
+def test_records_round_trip_and_withdraw() -> None:
+    kv = DictKV()
+    publish(kv, "adder--v1", "r1", "http://10.0.0.1:9001", "t1", now=5.0)
+    publish(kv, "adder--v1", "r2", "http://10.0.0.2:9002", "t2", now=6.0)
+    publish(kv, "sub--v1", "r3", "http://10.0.0.3:9003", "t3", now=7.0)
+    kv.put("ep/broken/r9", b"not json")  # a bad record is skipped, not fatal
+    recs = sorted(read_records(kv), key=lambda r: r.replica)
+    assert [(r.app, r.replica, r.url, r.token, r.ts) for r in recs] == [
+        ("adder--v1", "r1", "http://10.0.0.1:9001", "t1", 5.0),
+        ("adder--v1", "r2", "http://10.0.0.2:9002", "t2", 6.0),
+        ("sub--v1", "r3", "http://10.0.0.3:9003", "t3", 7.0),
+    ]
+    withdraw(kv, "adder--v1", "r1")
+    assert {r.replica for r in read_records(kv)} == {"r2", "r3"}
+
+
+def test_power_of_two_by_own_in_flight_and_release() -> None:
+    table = EndpointTable(rng=random.Random(0))
+    table.update([_rec("a", "r1"), _rec("a", "r2"), _rec("b", "r3")], now=1000.0)
+    assert table.pick("missing") is None  # unknown app: the caller leases through Serve
+    held = [table.pick("a") for _ in range(10)]
+    counts = Counter(lease.replica for lease in held if lease)
+    assert counts == {"r1": 5, "r2": 5}  # two replicas: the less busy one each time
+    for lease in held:
+        assert lease is not None
+        lease.release()
+        lease.release()  # idempotent
+    assert table.in_flight("r1") == table.in_flight("r2") == 0
+    only = table.pick("b")
+    assert only is not None and (only.url, only.token) == ("http://10.0.0.1:9002", "tok-r3")
+
+
+def test_limit_hands_the_request_to_serve() -> None:
+    table = EndpointTable(rng=random.Random(1))
+    table.update([_rec("a", "r1")], now=1000.0)
+    first, second = table.pick("a", limit=2), table.pick("a", limit=2)
+    assert first and second
+    assert table.pick("a", limit=2) is None  # at max_ongoing_requests: Serve's router queues it
+    first.release()
+    assert table.pick("a", limit=2) is not None
+
+
+def test_a_failed_replica_is_skipped_for_a_while() -> None:
+    table = EndpointTable(failed_s=5.0, rng=random.Random(2))
+    table.update([_rec("a", "r1"), _rec("a", "r2")], now=1000.0)
+    lease = table.pick("a")
+    assert lease is not None
+    bad = lease.replica
+    lease.release(failed=True)
+    assert {table.pick("a").replica for _ in range(20)} == {"r1", "r2"} - {bad}  # type: ignore[union-attr]
+
+
+def test_stale_heartbeat_drops_the_replica_and_tells_its_streams() -> None:
+    table = EndpointTable(stale_s=10.0, rng=random.Random(3))
+    table.update([_rec("a", "r1", ts=1000.0), _rec("a", "r2", ts=1000.0)], now=1001.0)
+    leases = [table.pick("a") for _ in range(4)]
+    on_r1 = [lease for lease in leases if lease and lease.replica == "r1"]
+    on_r2 = [lease for lease in leases if lease and lease.replica == "r2"]
+    assert on_r1 and on_r2
+    # r1 stopped heartbeating (its node died); r2 withdrew its record (it drains)
+    assert table.update([_rec("a", "r1", ts=1000.0)], now=1020.0) == ["r1"]
+    assert all(lease.died.is_set() for lease in on_r1)
+    assert not any(lease.died.is_set() for lease in on_r2)  # a draining replica finishes its streams
+    assert table.pick("a") is None
+    assert table.apps() == {}
+
+
+async def test_serve_leases_pick_directly_and_fall_back_to_serve() -> None:
+    """No Ray call when a replica is known; Serve's handle for hints, unknown apps and full replicas."""
+    from serving.gateway.deployment import ServeLeases
+
+    calls: list[str] = []
+
+    class Gen:
+        def __init__(self, app: str) -> None:
+            self.app = app
+
+        async def __anext__(self) -> object:
+            from serving.models.server import Endpoint
+
+            return Endpoint("http://serve-picked:1", "tok", f"serve-{self.app}")
+
+        def cancel(self) -> None:
+            pass
+
+    def handle(app: str) -> object:
+        class H:
+            class lease:  # noqa: N801 - mirrors handle.lease.remote(...)
+                @staticmethod
+                def remote(hint: LeaseHint) -> Gen:
+                    calls.append(app)
+                    return Gen(app)
+
+        return H()
+
+    kv = DictKV()
+    publish(kv, "a--v1", "r1", "http://10.0.0.1:9001", "t1")
+    leases = ServeLeases(direct=True, kv=kv)
+    leases._handles = {"a--v1": handle("a--v1"), "cold--v1": handle("cold--v1")}  # type: ignore[dict-item]
+    leases.start()
+    try:
+        for _ in range(50):
+            if leases.table and leases.table.loaded:
+                break
+            await asyncio.sleep(0.05)
+        direct = await leases.lease("a--v1", LeaseHint(), 5.0, limit=1)
+        assert direct.replica == "r1" and calls == []
+        full = await leases.lease("a--v1", LeaseHint(), 5.0, limit=1)  # r1 is at its limit
+        assert full.replica == "serve-a--v1" and calls == ["a--v1"]
+        hinted = await leases.lease("a--v1", LeaseHint(session_id="s1"), 5.0)  # affinity: Serve's router
+        cold = await leases.lease("cold--v1", LeaseHint(), 5.0)  # no endpoint yet: Serve scales it up
+        assert (hinted.replica, cold.replica) == ("serve-a--v1", "serve-cold--v1")
+        assert calls == ["a--v1", "a--v1", "cold--v1"]
+        for lease in (direct, full, hinted, cold):
+            lease.release()
+    finally:
+        leases.stop()
+    assert ServeLeases(direct=False).table is None  # replica_routing: serve
+
+
+@pytest.mark.parametrize("failed", [True, False])
+async def test_forward_marks_a_replica_that_failed_before_the_first_byte(failed: bool) -> None:
+    """A refused connection is retried on another replica, and the failed one is not picked again
+    for a while; a replica that answered keeps its place."""
+    import httpx
+
+    from serving.gateway.proxy import forward
+
+    table = EndpointTable(rng=random.Random(4))
+    good, bad = "http://127.0.0.1:9/ok", "http://127.0.0.1:9/down"
+    table.update([Record("a", "bad", bad, "t", 1e12), Record("a", "good", good, "t", 1e12)])
+    tried: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        tried.append(str(request.url))
+        if failed and "/down" in str(request.url):
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, json={"choices": [{"text": "1"}]})
+
+    class Obs:
+        def feed(self, chunk: bytes) -> bytes:
+            return chunk
+
+        def flush(self) -> bytes:
+            return b""
+
+        def retried(self) -> None:
+            pass
+
+        def finish(self, status: int, body: bytes | None = None) -> None:
+            pass
+
+    async def leaser():  # noqa: ANN202
+        return table.pick("a")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        for _ in range(6):
+            result = await forward(client=client, leaser=leaser, path="/v1/completions", body=b"{}",
+                                   stream=False, request_id="r", retries=2, obs=Obs())  # fmt: skip
+            assert result.status == 200
+    down = [u for u in tried if "/down" in u]
+    if failed:
+        assert len(down) == 1 and len(tried) == 7  # one refusal, retried; then never picked again
+    else:
+        assert 0 < len(down) < 6 and len(tried) == 6  # both serve
+    assert table.in_flight("good") == table.in_flight("bad") == 0
