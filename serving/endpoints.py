@@ -5,14 +5,14 @@ store under ``ep/<app>/<replica>`` and refreshes the record every ``HEARTBEAT_S`
 runs; it withdraws the record when Serve stops it (scale-down, promotion, shutdown) and then
 drains. Each gateway replica reads all records every ``REFRESH_S`` and picks a replica per request
 itself: power of two choices on its own in-flight counts (what Serve's default router does, minus
-the Ray call). Why: on 2 cores the per-request lease through Serve's router cost the gateway ~40%
-of its CPU and the model replica ~0.15 cores; without it the same stack served ~30% more
-requests/s (docs/performance.md).
+the Ray call). Why: on 2 cores, at 8 clients, the per-request lease through Serve's router kept
+the model replica actor at ~0.15 cores and the gateway at 0.38 (0.01 and 0.28-0.30 without it),
+and the stack served 10-30% more requests/s without it (docs/performance.md).
 
 A record whose heartbeat is older than ``STALE_S`` belongs to a replica that died without
 withdrawing (its node or process is gone): it is dropped, and requests still streaming from it are
-told (``died``), as Ray tells a lease call whose actor died. A replica that fails a request is
-skipped for ``FAILED_S``. Pure logic plus a thin wrapper over ``ray.experimental.internal_kv``.
+told (``died``), as Ray tells a lease call whose actor died; after ``PURGE_S`` a gateway deletes
+it. A replica that fails a request is skipped for ``FAILED_S``. Pure logic plus a thin wrapper over ``ray.experimental.internal_kv``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ PREFIX = "ep/"
 HEARTBEAT_S = 2.0
 REFRESH_S = 1.0
 STALE_S = 10.0
+PURGE_S = 60.0  # records this old are deleted by any gateway (their replica was killed)
 FAILED_S = 5.0
 
 
@@ -133,11 +134,13 @@ class EndpointTable:
         self._in_flight: Counter[str] = Counter()
         self._leases: dict[str, set[DirectLease]] = {}
         self._failed_until: dict[str, float] = {}
+        self._stale: set[str] = set()
         self.loaded = False  # records were read at least once
 
     def update(self, records: list[Record], now: float | None = None) -> list[str]:
-        """Replace the view; returns the replicas whose heartbeat went stale (their in-flight
-        requests are told ``died``). A withdrawn record (a draining replica) only stops new picks."""
+        """Replace the view; returns the replicas whose heartbeat went stale since the last update
+        (their in-flight requests are told ``died``). A withdrawn record (a draining replica) only
+        stops new picks."""
         now = time.time() if now is None else now
         fresh: dict[str, dict[str, Record]] = {}
         stale = []
@@ -149,8 +152,9 @@ class EndpointTable:
         for replica in stale:
             for lease in self._leases.get(replica, ()):
                 lease.died.set()
-        self._by_app, self.loaded = fresh, True
-        return stale
+        newly = [r for r in stale if r not in self._stale]
+        self._by_app, self._stale, self.loaded = fresh, set(stale), True
+        return newly
 
     def apps(self) -> dict[str, list[str]]:
         return {app: sorted(reps) for app, reps in self._by_app.items()}
@@ -188,13 +192,18 @@ class EndpointTable:
             self._failed_until[lease.replica] = time.monotonic() + self.failed_s
 
     async def refresh_forever(self, kv: KV, period_s: float = REFRESH_S) -> None:
-        """Gateway background task: re-read the records every ``period_s``."""
+        """Gateway background task: re-read the records every ``period_s``; delete records older
+        than ``PURGE_S`` (a replica killed outright never withdraws its own)."""
         while True:
             try:
                 records = await asyncio.to_thread(read_records, kv)
                 stale = self.update(records)
                 if stale:
                     logger.warning("model replicas without heartbeat (dropped): %s", stale)
+                now = time.time()
+                for r in records:
+                    if now - r.ts > PURGE_S:
+                        await asyncio.to_thread(withdraw, kv, r.app, r.replica)
             except Exception as exc:  # noqa: BLE001 - keep the last view; Serve's leases still work
                 logger.warning("reading model endpoints failed: %s", exc)
             await asyncio.sleep(period_s)

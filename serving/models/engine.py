@@ -59,8 +59,8 @@ def single_process(spec: EngineSpec) -> bool:
     vLLM's CPU platform otherwise uses the multiprocess executor even for one rank: a separate
     worker process that ``EngineCore`` talks to through a shared-memory queue, both sides
     spin-waiting (``sched_yield``) for each other at every step. On 2 cores those two spinners
-    took ~1.7 cores and starved vLLM's own API server: 22-25 requests/s at 8 clients with the
-    tokens of a request arriving in one burst, against 106-109 requests/s and TTFT p50 14 ms with
+    took ~1.7 cores and starved vLLM's own API server: 18-24 requests/s at 8 clients with the
+    tokens of a request arriving in one burst, against 104 requests/s and TTFT p50 14 ms with
     ``uni`` and one OpenMP thread (docs/performance.md, "vLLM on CPU: one process per engine").
     """
     backend = _extra(spec, "distributed-executor-backend")

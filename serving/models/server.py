@@ -274,19 +274,23 @@ class ModelServer:
         """Serve stops this replica (scale-down, promotion, shutdown): withdraw the endpoint, give
         the gateways time to stop picking it, let the requests they already sent finish (within
         the deployment's graceful_shutdown_timeout_s), then stop vLLM."""
-        if getattr(self, "_kv", None) is not None and self.app is not None and self.proc.poll() is None:
-            self._draining = True
-            try:
-                await asyncio.to_thread(endpoints.withdraw, self._kv, self.app, self.replica)
-                await asyncio.sleep(2 * endpoints.REFRESH_S + 0.5)
-                deadline = time.monotonic() + DRAIN_S
-                while time.monotonic() < deadline:
-                    values = await self._engine_values()
-                    if values.get("vllm:num_requests_running", 0.0) + values.get("vllm:num_requests_waiting", 0.0) == 0:
-                        break
-                    await asyncio.sleep(0.5)
-            except Exception as exc:  # noqa: BLE001 - stop anyway
-                logger.warning("draining %s: %s", self.replica, exc)
+        self._draining = True  # no heartbeat re-publishes the record from here on
         if getattr(self, "_metrics_task", None) is not None:
             self._metrics_task.cancel()
+        kv = getattr(self, "_kv", None)
+        if kv is not None and self.app is not None:
+            try:
+                await asyncio.to_thread(endpoints.withdraw, kv, self.app, self.replica)
+                if self.proc.poll() is None:
+                    await asyncio.sleep(2 * endpoints.REFRESH_S + 0.5)
+                    # a heartbeat that was already in flight may have written the record again
+                    await asyncio.to_thread(endpoints.withdraw, kv, self.app, self.replica)
+                    deadline = time.monotonic() + DRAIN_S
+                    while time.monotonic() < deadline:
+                        values = await self._engine_values()
+                        if values.get("vllm:num_requests_running", 0.0) + values.get("vllm:num_requests_waiting", 0.0) == 0:
+                            break
+                        await asyncio.sleep(0.5)
+            except Exception as exc:  # noqa: BLE001 - stop anyway
+                logger.warning("draining %s: %s", self.replica, exc)
         self._stop()

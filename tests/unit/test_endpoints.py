@@ -95,6 +95,29 @@ def test_stale_heartbeat_drops_the_replica_and_tells_its_streams() -> None:
     assert not any(lease.died.is_set() for lease in on_r2)  # a draining replica finishes its streams
     assert table.pick("a") is None
     assert table.apps() == {}
+    assert table.update([_rec("a", "r1", ts=1000.0)], now=1021.0) == []  # reported once
+
+
+async def test_gateways_delete_records_of_replicas_killed_long_ago() -> None:
+    import time
+
+    from serving import endpoints
+
+    kv = DictKV()
+    publish(kv, "a", "killed", "http://x:1", "t", now=time.time() - endpoints.PURGE_S - 1)
+    publish(kv, "a", "quiet", "http://x:2", "t", now=time.time() - endpoints.STALE_S - 1)
+    publish(kv, "a", "live", "http://x:3", "t")
+    table = EndpointTable()
+    task = asyncio.ensure_future(table.refresh_forever(kv, period_s=0.01))
+    try:
+        for _ in range(100):
+            if "ep/a/killed" not in kv.data:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+    assert sorted(kv.data) == ["ep/a/live", "ep/a/quiet"]  # stale but recent records stay
+    assert table.apps() == {"a": ["live"]}
 
 
 async def test_serve_leases_pick_directly_and_fall_back_to_serve() -> None:
