@@ -194,7 +194,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=200, help="measured requests per concurrency")
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=16)
-    ap.add_argument("--servers", default="bare,rayllm,ours", help="bare,bare-mp,rayllm,rayllm-ha,ours,ours-lease,ours-proxy,ours-ha")
+    ap.add_argument("--servers", default="bare,rayllm,ours",
+                    help="bare,bare-mp,rayllm,rayllm-ha,ours,ours-lease,ours-proxy,ours-ha")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")

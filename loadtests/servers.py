@@ -242,8 +242,9 @@ def _serving_bin() -> str:
     return str(Path(sys.executable).with_name("serving"))
 
 
-def our_stack_config(model: BenchModel, port: int, replicas: int = 1, router: str = "power_of_two", ingress: str = "direct",
-                     replica_routing: str = "direct", name: str = "bench", gcs_port: int = 6393, dashboard_port: int = 8278,
+def our_stack_config(model: BenchModel, port: int, replicas: int = 1, router: str = "power_of_two",
+                     ingress: str = "direct", replica_routing: str = "direct", name: str = "bench",
+                     gcs_port: int = 6393, dashboard_port: int = 8278,
                      metrics_export_port: int = 8088) -> dict[str, Any]:  # fmt: skip
     """A stack config serving only ``model`` (auth open), on ports apart from the default stacks."""
     return {

@@ -12,7 +12,8 @@ and the stack served 10-30% more requests/s without it (docs/performance.md).
 A record whose heartbeat is older than ``STALE_S`` belongs to a replica that died without
 withdrawing (its node or process is gone): it is dropped, and requests still streaming from it are
 told (``died``), as Ray tells a lease call whose actor died; after ``PURGE_S`` a gateway deletes
-it. A replica that fails a request is skipped for ``FAILED_S``. Pure logic plus a thin wrapper over ``ray.experimental.internal_kv``.
+it. A replica that fails a request is skipped for ``FAILED_S``. Pure logic plus a thin wrapper
+over ``ray.experimental.internal_kv``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Gateway core: the object graph behind the HTTP routes, built once per gateway replica.
 
 It owns the routing table and tenants (from the Serve ``user_config``, so both change in place),
-one pooled HTTP client, the replica finder (direct picks or Serve leases), quotas and metrics. Route handlers stay thin: parse,
-authenticate, resolve, call :meth:`GatewayCore.complete`, render.
+one pooled HTTP client, the replica finder (direct picks or Serve leases), quotas and metrics.
+Route handlers stay thin: parse, authenticate, resolve, call :meth:`GatewayCore.complete`, render.
 """
 
 from __future__ import annotations

@@ -131,6 +131,11 @@ def _engine_cores(spec: EngineSpec) -> list[int] | None:
     return cores
 
 
+def _engine_load(values: dict[str, float]) -> float:
+    """Requests the engine holds: running plus waiting (from its /metrics)."""
+    return values.get("vllm:num_requests_running", 0.0) + values.get("vllm:num_requests_waiting", 0.0)
+
+
 def _replica_tag() -> tuple[str, str | None]:
     """This replica's tag and Serve application (None outside Serve)."""
     try:
@@ -201,7 +206,7 @@ class ModelServer:
         while True:
             try:
                 values = await self._engine_values()
-                self._load = values.get("vllm:num_requests_running", 0.0) + values.get("vllm:num_requests_waiting", 0.0)
+                self._load = _engine_load(values)
                 if tick % 5 == 0:
                     metrics.set(values, tags)
             except httpx.HTTPError:
@@ -287,8 +292,7 @@ class ModelServer:
                     await asyncio.to_thread(endpoints.withdraw, kv, self.app, self.replica)
                     deadline = time.monotonic() + DRAIN_S
                     while time.monotonic() < deadline:
-                        values = await self._engine_values()
-                        if values.get("vllm:num_requests_running", 0.0) + values.get("vllm:num_requests_waiting", 0.0) == 0:
+                        if _engine_load(await self._engine_values()) == 0:
                             break
                         await asyncio.sleep(0.5)
             except Exception as exc:  # noqa: BLE001 - stop anyway
