@@ -219,3 +219,58 @@ async def test_forward_marks_a_replica_that_failed_before_the_first_byte(failed:
     else:
         assert 0 < len(down) < 6 and len(tried) == 6  # both serve
     assert table.in_flight("good") == table.in_flight("bad") == 0
+
+
+async def test_a_stream_from_a_replica_whose_heartbeat_stopped_ends_with_an_error_event() -> None:
+    """The replica's node is gone: its socket never closes, but the stale heartbeat sets ``died``
+    and the client gets the tokens so far plus an SSE error event instead of a hang."""
+    import httpx
+
+    from serving.gateway.proxy import forward
+
+    table = EndpointTable(stale_s=10.0)
+    table.update([Record("a", "r1", "http://10.9.9.9:1", "t", 1000.0)], now=1001.0)
+
+    async def body():  # noqa: ANN202 - one token, then silence
+        yield b'data: {"choices": [{"text": "4"}]}\n\n'
+        await asyncio.Event().wait()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    finished: list[int] = []
+
+    class Obs:
+        def feed(self, chunk: bytes) -> bytes:
+            return chunk
+
+        def flush(self) -> bytes:
+            return b""
+
+        def retried(self) -> None:
+            pass
+
+        def finish(self, status: int, body: bytes | None = None) -> None:
+            finished.append(status)
+
+    async def leaser():  # noqa: ANN202
+        return table.pick("a")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        result = await forward(client=client, leaser=leaser, path="/v1/completions", body=b"{}",
+                               stream=True, request_id="req-1", retries=0, obs=Obs())  # fmt: skip
+        assert result.stream is not None and result.route == "direct"
+        out: list[bytes] = []
+
+        async def read() -> None:
+            async for chunk in result.stream:  # type: ignore[union-attr]
+                out.append(chunk)
+
+        reader = asyncio.ensure_future(read())
+        await asyncio.sleep(0.05)
+        assert out == [b'data: {"choices": [{"text": "4"}]}\n\n'] and not reader.done()
+        table.update([Record("a", "r1", "http://10.9.9.9:1", "t", 1000.0)], now=1020.0)  # heartbeat stale
+        await asyncio.wait_for(reader, 5)
+    text = b"".join(out).decode()
+    assert '"error"' in text and "req-1" in text and text.rstrip().endswith("data: [DONE]")
+    assert finished == [502] and table.in_flight("r1") == 0
