@@ -26,6 +26,25 @@ class DictKV:
         return {k: v for k, v in self.data.items() if k.startswith(prefix)}
 
 
+class PassThrough:
+    """An Observer that passes chunks through and records how requests finished."""
+
+    def __init__(self) -> None:
+        self.finished: list[int] = []
+
+    def feed(self, chunk: bytes) -> bytes:
+        return chunk
+
+    def flush(self) -> bytes:
+        return b""
+
+    def retried(self) -> None:
+        pass
+
+    def finish(self, status: int, body: bytes | None = None) -> None:
+        self.finished.append(status)
+
+
 def _rec(app: str, replica: str, ts: float = 1000.0) -> Record:
     return Record(app, replica, f"http://10.0.0.1:{9000 + len(replica)}", "tok-" + replica, ts)
 
@@ -192,26 +211,13 @@ async def test_forward_marks_a_replica_that_failed_before_the_first_byte(failed:
             raise httpx.ConnectError("refused")
         return httpx.Response(200, json={"choices": [{"text": "1"}]})
 
-    class Obs:
-        def feed(self, chunk: bytes) -> bytes:
-            return chunk
-
-        def flush(self) -> bytes:
-            return b""
-
-        def retried(self) -> None:
-            pass
-
-        def finish(self, status: int, body: bytes | None = None) -> None:
-            pass
-
     async def leaser():  # noqa: ANN202
         return table.pick("a")
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         for _ in range(6):
             result = await forward(client=client, leaser=leaser, path="/v1/completions", body=b"{}",
-                                   stream=False, request_id="r", retries=2, obs=Obs())  # fmt: skip
+                                   stream=False, request_id="r", retries=2, obs=PassThrough())  # fmt: skip
             assert result.status == 200
     down = [u for u in tried if "/down" in u]
     if failed:
@@ -238,27 +244,13 @@ async def test_a_stream_from_a_replica_whose_heartbeat_stopped_ends_with_an_erro
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
 
-    finished: list[int] = []
-
-    class Obs:
-        def feed(self, chunk: bytes) -> bytes:
-            return chunk
-
-        def flush(self) -> bytes:
-            return b""
-
-        def retried(self) -> None:
-            pass
-
-        def finish(self, status: int, body: bytes | None = None) -> None:
-            finished.append(status)
-
     async def leaser():  # noqa: ANN202
         return table.pick("a")
 
+    obs = PassThrough()
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         result = await forward(client=client, leaser=leaser, path="/v1/completions", body=b"{}",
-                               stream=True, request_id="req-1", retries=0, obs=Obs())  # fmt: skip
+                               stream=True, request_id="req-1", retries=0, obs=obs)  # fmt: skip
         assert result.stream is not None and result.route == "direct"
         out: list[bytes] = []
 
@@ -273,4 +265,4 @@ async def test_a_stream_from_a_replica_whose_heartbeat_stopped_ends_with_an_erro
         await asyncio.wait_for(reader, 5)
     text = b"".join(out).decode()
     assert '"error"' in text and "req-1" in text and text.rstrip().endswith("data: [DONE]")
-    assert finished == [502] and table.in_flight("r1") == 0
+    assert obs.finished == [502] and table.in_flight("r1") == 0
