@@ -23,7 +23,6 @@ import json
 import logging
 import random
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -132,8 +131,7 @@ class EndpointTable:
         self.stale_s, self.failed_s = stale_s, failed_s
         self._rng = rng or random.Random()
         self._by_app: dict[str, dict[str, Record]] = {}
-        self._in_flight: Counter[str] = Counter()
-        self._leases: dict[str, set[DirectLease]] = {}
+        self._leases: dict[str, set[DirectLease]] = {}  # open leases per replica: its in-flight count
         self._failed_until: dict[str, float] = {}
         self._stale: set[str] = set()
         self.loaded = False  # records were read at least once
@@ -169,21 +167,17 @@ class EndpointTable:
         if not reps:
             return None
         pair = self._rng.sample(reps, 2) if len(reps) > 1 else reps
-        best = min(pair, key=lambda r: self._in_flight[r.replica])
-        if limit and self._in_flight[best.replica] >= limit:
+        best = min(pair, key=lambda r: self.in_flight(r.replica))
+        if limit and self.in_flight(best.replica) >= limit:
             return None
         lease = DirectLease(self, best)
-        self._in_flight[best.replica] += 1
         self._leases.setdefault(best.replica, set()).add(lease)
         return lease
 
     def in_flight(self, replica: str) -> int:
-        return self._in_flight[replica]
+        return len(self._leases.get(replica, ()))
 
     def _release(self, lease: DirectLease, failed: bool) -> None:
-        self._in_flight[lease.replica] -= 1
-        if self._in_flight[lease.replica] <= 0:
-            del self._in_flight[lease.replica]
         leases = self._leases.get(lease.replica)
         if leases is not None:
             leases.discard(lease)

@@ -16,7 +16,7 @@ from serving.endpoints import KV, EndpointTable, RayKV
 from serving.gateway.api import create_api
 from serving.gateway.core import GatewayCore, GatewaySettings, unavailable
 from serving.gateway.proxy import Lease, ReplicaGone
-from serving.models.server import Endpoint, LeaseHint
+from serving.models.server import RUNNING_REQUESTS_KEY, Endpoint, LeaseHint
 
 logger = logging.getLogger("serving.gateway")
 
@@ -73,7 +73,8 @@ class ServeLeases:
         self._refresher: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """Start reading endpoints (in the replica's event loop)."""
+        """Start reading endpoints (in the replica's event loop; ``Gateway.reconfigure`` calls it
+        before the first request, as Serve applies the user_config before serving)."""
         if self.table is not None and self._refresher is None:
             self._refresher = asyncio.ensure_future(self.table.refresh_forever(self._kv or RayKV()))
 
@@ -90,7 +91,6 @@ class ServeLeases:
 
     async def lease(self, app: str, hint: LeaseHint, timeout_s: float, limit: int = 0) -> Lease:
         if self.table is not None and hint.prompt is None and hint.session_id is None:
-            self.start()
             picked = self.table.pick(app, limit)
             if picked is not None:
                 return picked
@@ -116,12 +116,6 @@ class ServeLeases:
             return bool(await asyncio.wait_for(h.ready.remote(), timeout_s))
         except Exception:
             return False
-
-
-try:  # the key Serve's default autoscaling policy reads from a replica's report
-    from ray.serve._private.common import RUNNING_REQUESTS_KEY
-except ImportError:  # pragma: no cover - tests/unit/test_gateway_direct.py fails loudly if it moves
-    RUNNING_REQUESTS_KEY = "running_requests"
 
 
 @serve.ingress()

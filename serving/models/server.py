@@ -173,7 +173,7 @@ class ModelServer:
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self._wait_ready()
-        self._metrics_task: asyncio.Task[None] | None = None
+        self._background_task: asyncio.Task[None] | None = None
         self._load = 0.0  # the engine's running + waiting requests, read every second
         self._draining = False
         self._kv: endpoints.KV | None = None
@@ -186,7 +186,7 @@ class ModelServer:
                 self._kv = None
 
     def _publish(self) -> None:
-        if self._kv is not None and self.app is not None and not self._draining and self.proc.poll() is None:
+        if self._kv is not None and not self._draining and self.proc.poll() is None:
             endpoints.publish(self._kv, self.app, self.replica, self.endpoint.url, self.endpoint.token)
 
     async def _engine_values(self) -> dict[str, float]:
@@ -219,9 +219,9 @@ class ModelServer:
             tick += 1
             await asyncio.sleep(1)
 
-    def _ensure_metrics_task(self) -> None:
-        if self._metrics_task is None:
-            self._metrics_task = asyncio.get_running_loop().create_task(self._background())
+    def _ensure_background(self) -> None:
+        if self._background_task is None:
+            self._background_task = asyncio.get_running_loop().create_task(self._background())
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The engine's running + waiting requests: with direct routing Serve does not see the
@@ -248,7 +248,7 @@ class ModelServer:
         """Yield this replica's endpoint, then hold the lease open until the caller cancels."""
         if self.proc.poll() is not None:
             raise RuntimeError("vLLM engine process is not running")
-        self._ensure_metrics_task()
+        self._ensure_background()
         yield self.endpoint
         await asyncio.Event().wait()  # released by cancellation from the gateway
 
@@ -257,7 +257,7 @@ class ModelServer:
 
     async def check_health(self) -> None:
         """Serve's health check: the engine process must live and answer /health."""
-        self._ensure_metrics_task()
+        self._ensure_background()
         if self.proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with code {self.proc.returncode}")
         resp = await self._client.get(f"{self.endpoint.url}/health")
@@ -280,10 +280,10 @@ class ModelServer:
         the gateways time to stop picking it, let the requests they already sent finish (within
         the deployment's graceful_shutdown_timeout_s), then stop vLLM."""
         self._draining = True  # no heartbeat re-publishes the record from here on
-        if getattr(self, "_metrics_task", None) is not None:
-            self._metrics_task.cancel()
+        if getattr(self, "_background_task", None) is not None:
+            self._background_task.cancel()
         kv = getattr(self, "_kv", None)
-        if kv is not None and self.app is not None:
+        if kv is not None:
             try:
                 await asyncio.to_thread(endpoints.withdraw, kv, self.app, self.replica)
                 if self.proc.poll() is None:
