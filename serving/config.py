@@ -213,7 +213,9 @@ class GatewayConfig(_Strict):
     upstream_timeout_s: float = Field(600, gt=0, description="Longest wait for a replica's bytes.")
     default_model: str | None = Field(None, description="Model used when a request names none.")
     expose_replica_header: bool = Field(
-        False, description="Add x-replica (the serving replica) to responses; for debugging."
+        False,
+        description="Add x-replica (the serving replica), x-replica-route (direct | serve) and "
+        "x-gateway-replica to responses; for debugging.",
     )
 
     @model_validator(mode="after")
