@@ -257,3 +257,15 @@ def test_cpu_table_lists_the_groups_seen() -> None:
     assert out[0] == "| server | conc | engine worker | vLLM API server | gateway replica | total |"
     assert out[2] == "| bare | 8 | 1.00 | 0.50 | 0.00 | 1.50 |"
     assert out[3] == "| ours | 8 | 0.90 | 0.00 | 0.30 | 1.20 |"
+
+
+def test_relay_benchmark_runs_the_gateway_against_its_synthetic_replica(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m loadtests.relay`` end to end with tiny numbers: both processes start, every
+    request is relayed, and it prints the gateway's CPU per request (a figure, not a threshold)."""
+    from loadtests.relay import main
+
+    assert main(["--requests", "30", "--concurrency", "3", "--chunks", "4", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "4 chunks per request, 3 clients" in out
+    line = next(ln for ln in out.splitlines() if "ms CPU/request" in ln)
+    assert "failures 0" in line and "nan" not in line

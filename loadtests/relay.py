@@ -1,0 +1,195 @@
+"""Relay benchmark: the gateway's own CPU cost per streamed request, with no engine in the way.
+
+    python -m loadtests.relay [--requests 1000] [--concurrency 8] [--chunks 64] [--repeats 3] \
+        [--code DIR]
+
+Starts two processes: a synthetic model replica (an asyncio HTTP server that answers every
+completion with ``--chunks`` vLLM-shaped SSE events 1 ms apart, a usage event and ``[DONE]``)
+and one gateway: this repository's gateway app (``serving.gateway.api.create_api`` over
+``GatewayCore``) on its own listener (uvicorn, as in a gateway replica), with the replica as its
+only upstream and auth off. Closed-loop streaming clients (``loadtests.client``) then send
+``--requests`` requests, ``--repeats`` times, and the script prints the gateway process's CPU per
+request and per relayed chunk. ``--chunks 1`` isolates the per-request part.
+
+``--code DIR`` runs the gateway from another checkout (``DIR/serving``), e.g. an older commit
+from ``git worktree add``, for a before/after on the same machine. Figures: docs/performance.md,
+"The relay".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def replica(port: int, chunks: int) -> None:
+    """The synthetic replica: raw HTTP/1.1 keep-alive, chunked SSE like vLLM's."""
+    import uvloop
+
+    def event(i: int) -> bytes:
+        body = {"id": "cmpl-0123456789abcdef0123456789abcdef", "object": "text_completion", "created": 1,
+                "model": "m", "choices": [{"index": 0, "text": f" tok{i}", "logprobs": None,
+                                           "finish_reason": None, "stop_reason": None}], "usage": None}  # fmt: skip
+        return _chunk(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+
+    events = [event(i) for i in range(chunks)]
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":16,"completion_tokens":%d,"total_tokens":%d}}\n\n' % (
+        chunks, chunks + 16)
+    tail = _chunk(usage) + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    class Conn(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport, self.buf = transport, b""
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            while (end := self.buf.find(b"\r\n\r\n")) >= 0:
+                headers = self.buf[:end].lower()
+                at = headers.find(b"content-length:")
+                size = int(headers[at + 15:].split(b"\r\n")[0]) if at >= 0 else 0
+                if len(self.buf) < end + 4 + size:
+                    return
+                self.buf = self.buf[end + 4 + size:]
+                asyncio.ensure_future(self.answer())
+
+        async def answer(self) -> None:
+            self.transport.write(head)  # type: ignore[attr-defined]
+            for ev in events:
+                await asyncio.sleep(0.001)
+                self.transport.write(ev)  # type: ignore[attr-defined]
+            self.transport.write(tail)  # type: ignore[attr-defined]
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(Conn, "127.0.0.1", port, backlog=1024)
+        await server.serve_forever()
+
+    uvloop.run(serve())
+
+
+def gateway(port: int, upstream: str) -> None:
+    """This checkout's gateway app (or ``--code``'s) with one fixed upstream replica."""
+    import uvloop
+
+    from serving.gateway.api import create_api
+    from serving.gateway.core import GatewayCore, GatewaySettings
+    from serving.gateway.direct import DirectListener
+
+    class Lease:
+        route, replica, token = "direct", "r0", "t"
+
+        def __init__(self) -> None:
+            self.url, self.died = upstream, asyncio.Event()
+
+        def release(self, failed: bool = False) -> None:
+            pass
+
+    class OneReplica:
+        async def lease(self, app: str, hint: object, timeout_s: float, limit: int = 0) -> Lease:
+            return Lease()
+
+        async def ready(self, app: str, timeout_s: float) -> bool:
+            return True
+
+    async def serve() -> None:
+        core = GatewayCore(GatewaySettings(), OneReplica())
+        core.reconfigure({"auth": {"mode": "open"}, "models": [
+            {"name": "m", "max_model_len": 1024, "versions": [{"version": "v1", "weight": 100, "app": "m"}]}]})
+        await DirectListener(create_api(core), "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+    uvloop.run(serve())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on port {port}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests.relay", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--chunks", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--code", type=Path, default=None, help="checkout whose serving/ the gateway runs")
+    p.add_argument("--role", choices=["replica", "gateway"], help=argparse.SUPPRESS)
+    p.add_argument("--ports", type=int, nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    here = Path(__file__).resolve().parent
+    code = (args.code or here.parent).resolve()
+    if args.role:  # a child, run as a script: import serving from ``code`` only
+        sys.path[:] = [str(code)] + [d for d in sys.path if d and Path(d).resolve() != here]
+        replica_port, gateway_port = args.ports
+        if args.role == "replica":
+            replica(replica_port, args.chunks)
+        else:
+            gateway(gateway_port, f"http://127.0.0.1:{replica_port}")
+        return 0
+
+    from loadtests.client import run_level
+
+    replica_port, gateway_port = _free_port(), _free_port()
+    me = [sys.executable, str(Path(__file__).resolve()), "--chunks", str(args.chunks), "--code", str(code),
+          "--ports", str(replica_port), str(gateway_port), "--role"]  # fmt: skip
+    procs = [subprocess.Popen([*me, "replica"]), subprocess.Popen([*me, "gateway"])]
+    try:
+        _wait_port(replica_port)
+        _wait_port(gateway_port)
+        gw = procs[1].pid
+        url = f"http://127.0.0.1:{gateway_port}"
+
+        def body() -> dict[str, object]:
+            return {"model": "m", "prompt": "hello", "max_tokens": args.chunks, "stream": True}
+
+        asyncio.run(run_level(url, None, "/v1/completions", body, args.concurrency, min(200, args.requests)))
+        print(f"gateway code: {code}; {args.chunks} chunks per request, {args.concurrency} clients")
+        for _ in range(args.repeats):
+            cpu0, t0 = _cpu_s(gw), time.monotonic()
+            r = asyncio.run(run_level(url, None, "/v1/completions", body, args.concurrency, args.requests))
+            wall, cpu = time.monotonic() - t0, _cpu_s(gw) - cpu0
+            served = r.requests_per_s * wall
+            per_req = cpu / served * 1e3 if served else float("nan")
+            print(f"  {r.requests_per_s:7.1f} req/s  failures {r.failures}  gateway {cpu / wall:.2f} cores  "
+                  f"{per_req:.2f} ms CPU/request  {per_req * 1e3 / (args.chunks + 2):.1f} us CPU/chunk  "
+                  f"TTFT p50 {r.ttft_p50_ms:.1f} ms", flush=True)  # fmt: skip
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
