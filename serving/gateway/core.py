@@ -13,11 +13,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import httpx
-
 from serving.errors import NotFound, Unavailable
 from serving.gateway.auth import Authenticator, Tenant
-from serving.gateway.proxy import Lease, UpstreamResult, forward
+from serving.gateway.proxy import Lease, Upstream, UpstreamResult, forward
 from serving.gateway.quota import QuotaClient
 from serving.gateway.routing import Resolved, RoutingTable
 from serving.models.server import LeaseHint
@@ -115,11 +113,7 @@ class GatewayCore:
         self.quota = QuotaClient(60.0)
         self.in_flight: Counter[str] = Counter()
         self.shed_limits: dict[str, int] = {}
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=settings.max_connections,
-                                max_keepalive_connections=settings.max_connections),
-        )  # fmt: skip
+        self.client = Upstream(settings.max_connections, settings.upstream_timeout_s)
         self._ready_cache: tuple[float, bool] = (0.0, False)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:

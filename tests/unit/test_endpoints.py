@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import socket
 from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -192,34 +196,61 @@ async def test_serve_leases_pick_directly_and_fall_back_to_serve() -> None:
     assert ServeLeases(direct=False).table is None  # replica_routing: serve
 
 
+@contextlib.asynccontextmanager
+async def _replica(handler: Any) -> AsyncIterator[str]:
+    """A real HTTP server on loopback answering POST /v1/completions with ``handler``."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # nothing listens there once closed: connections are refused
+
+
 @pytest.mark.parametrize("failed", [True, False])
 async def test_forward_marks_a_replica_that_failed_before_the_first_byte(failed: bool) -> None:
     """A refused connection is retried on another replica, and the failed one is not picked again
     for a while; a replica that answered keeps its place."""
-    import httpx
+    from aiohttp import web
 
-    from serving.gateway.proxy import forward
+    from serving.gateway.proxy import Upstream, forward
 
-    table = EndpointTable(rng=random.Random(4))
-    good, bad = "http://127.0.0.1:9/ok", "http://127.0.0.1:9/down"
-    table.update([Record("a", "bad", bad, "t", 1e12), Record("a", "good", good, "t", 1e12)])
-    tried: list[str] = []
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"text": "1"}]})
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        tried.append(str(request.url))
-        if failed and "/down" in str(request.url):
-            raise httpx.ConnectError("refused")
-        return httpx.Response(200, json={"choices": [{"text": "1"}]})
+    async with _replica(ok) as good, _replica(ok) as other:
+        bad = f"http://127.0.0.1:{_closed_port()}" if failed else other
+        table = EndpointTable(rng=random.Random(4))
+        table.update([Record("a", "bad", bad, "t", 1e12), Record("a", "good", good, "t", 1e12)])
+        tried: list[str] = []
 
-    async def leaser():  # noqa: ANN202
-        return table.pick("a")
+        async def leaser():  # noqa: ANN202
+            lease = table.pick("a")
+            assert lease is not None
+            tried.append(lease.replica)
+            return lease
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        for _ in range(6):
-            result = await forward(client=client, leaser=leaser, path="/v1/completions", body=b"{}",
-                                   stream=False, request_id="r", retries=2, obs=PassThrough())  # fmt: skip
-            assert result.status == 200
-    down = [u for u in tried if "/down" in u]
+        client = Upstream(16, 10.0)
+        try:
+            for _ in range(6):
+                result = await forward(client=client, leaser=leaser, path="/v1/completions", body=b"{}",
+                                       stream=False, request_id="r", retries=2, obs=PassThrough())  # fmt: skip
+                assert result.status == 200 and result.body == b'{"choices": [{"text": "1"}]}'
+        finally:
+            await client.aclose()
+    down = [r for r in tried if r == "bad"]
     if failed:
         assert len(down) == 1 and len(tried) == 7  # one refusal, retried; then never picked again
     else:
@@ -230,39 +261,46 @@ async def test_forward_marks_a_replica_that_failed_before_the_first_byte(failed:
 async def test_a_stream_from_a_replica_whose_heartbeat_stopped_ends_with_an_error_event() -> None:
     """The replica's node is gone: its socket never closes, but the stale heartbeat sets ``died``
     and the client gets the tokens so far plus an SSE error event instead of a hang."""
-    import httpx
+    from aiohttp import web
 
-    from serving.gateway.proxy import forward
+    from serving.gateway.proxy import Upstream, forward
 
-    table = EndpointTable(stale_s=10.0)
-    table.update([Record("a", "r1", "http://10.9.9.9:1", "t", 1000.0)], now=1001.0)
+    release = asyncio.Event()
 
-    async def body():  # noqa: ANN202 - one token, then silence
-        yield b'data: {"choices": [{"text": "4"}]}\n\n'
-        await asyncio.Event().wait()
+    async def one_token_then_silence(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "4"}]}\n\n')
+        await release.wait()
+        return resp
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+    async with _replica(one_token_then_silence) as url:
+        table = EndpointTable(stale_s=10.0)
+        table.update([Record("a", "r1", url, "t", 1000.0)], now=1001.0)
 
-    async def leaser():  # noqa: ANN202
-        return table.pick("a")
+        async def leaser():  # noqa: ANN202
+            return table.pick("a")
 
-    obs = PassThrough()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        result = await forward(client=client, leaser=leaser, path="/v1/completions", body=b"{}",
-                               stream=True, request_id="req-1", retries=0, obs=obs)  # fmt: skip
-        assert result.stream is not None and result.route == "direct"
-        out: list[bytes] = []
+        obs = PassThrough()
+        client = Upstream(16, 600.0)
+        try:
+            result = await forward(client=client, leaser=leaser, path="/v1/completions", body=b"{}",
+                                   stream=True, request_id="req-1", retries=0, obs=obs)  # fmt: skip
+            assert result.stream is not None and result.route == "direct"
+            out: list[bytes] = []
 
-        async def read() -> None:
-            async for chunk in result.stream:  # type: ignore[union-attr]
-                out.append(chunk)
+            async def read() -> None:
+                async for chunk in result.stream:  # type: ignore[union-attr]
+                    out.append(chunk)
 
-        reader = asyncio.ensure_future(read())
-        await asyncio.sleep(0.05)
-        assert out == [b'data: {"choices": [{"text": "4"}]}\n\n'] and not reader.done()
-        table.update([Record("a", "r1", "http://10.9.9.9:1", "t", 1000.0)], now=1020.0)  # heartbeat stale
-        await asyncio.wait_for(reader, 5)
+            reader = asyncio.ensure_future(read())
+            await asyncio.sleep(0.2)
+            assert out == [b'data: {"choices": [{"text": "4"}]}\n\n'] and not reader.done()
+            table.update([Record("a", "r1", url, "t", 1000.0)], now=1020.0)  # heartbeat stale
+            await asyncio.wait_for(reader, 5)
+        finally:
+            release.set()
+            await client.aclose()
     text = b"".join(out).decode()
     assert '"error"' in text and "req-1" in text and text.rstrip().endswith("data: [DONE]")
     assert obs.finished == [502] and table.in_flight("r1") == 0

@@ -1,0 +1,151 @@
+"""The gateway's relay, end to end on loopback: a real uvicorn listener serving the gateway app,
+a real HTTP replica streaming SSE (aiohttp), real sockets in between. What it pins down: the
+bytes arrive as the replica sent them (usage hidden unless asked), and a client that goes away
+mid-stream ends the replica's request and releases the replica at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from aiohttp import web
+
+from serving.gateway.api import create_api
+from serving.gateway.core import GatewayCore, GatewaySettings
+from serving.gateway.direct import DirectListener
+from serving.models.server import LeaseHint
+
+TOKENS = 40
+
+
+def _event(i: int) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"index": 0, "text": f" t{i}"}]}).encode() + b"\n\n"
+
+
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":40,"total_tokens":43}}\n\n'
+
+
+class Replica:
+    """A model replica's HTTP server: ``TOKENS`` events ``gap_s`` apart, usage, [DONE]."""
+
+    def __init__(self, gap_s: float) -> None:
+        self.gap_s = gap_s
+        self.bodies: list[dict[str, Any]] = []
+        self.ended: list[str] = []  # "done" or "client gone", per request
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for i in range(TOKENS):
+                await resp.write(_event(i))
+                await asyncio.sleep(self.gap_s)
+            await resp.write(USAGE + b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.ended.append("client gone")
+            raise
+        self.ended.append("done")
+        return resp
+
+
+class Lease:
+    route = "direct"
+    replica = "r1"
+    token = "t"
+
+    def __init__(self, url: str, released: list[bool]) -> None:
+        self.url, self._released = url, released
+        self.died = asyncio.Event()
+
+    def release(self, failed: bool = False) -> None:
+        self._released.append(failed)
+
+
+class OneReplica:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.released: list[bool] = []
+
+    async def lease(self, app: str, hint: LeaseHint, timeout_s: float, limit: int = 0) -> Lease:
+        return Lease(self.url, self.released)
+
+    async def ready(self, app: str, timeout_s: float) -> bool:
+        return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def _stack(gap_s: float) -> AsyncIterator[tuple[str, Replica, OneReplica, GatewayCore]]:
+    replica = Replica(gap_s)
+    app = web.Application()
+    app.router.add_post("/v1/completions", replica.handle)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    leases = OneReplica(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    core = GatewayCore(GatewaySettings(), leases)
+    core.reconfigure({"auth": {"mode": "open"}, "models": [
+        {"name": "m", "max_model_len": 512, "versions": [{"version": "v1", "weight": 100, "app": "m--v1"}]}]})
+    port = _free_port()
+    listener = DirectListener(create_api(core, set_request_id_header=True), "127.0.0.1", port, drain_s=2)
+    await listener.start()
+    try:
+        yield f"http://127.0.0.1:{port}", replica, leases, core
+    finally:
+        await listener.stop()
+        await core.aclose()
+        await runner.cleanup()
+
+
+async def _until(check: Any, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    assert check()
+
+
+async def test_a_stream_is_relayed_as_sent_with_usage_hidden_unless_asked() -> None:
+    async with _stack(gap_s=0.0) as (url, replica, leases, core):
+        async with httpx.AsyncClient(timeout=10) as c:
+            plain = await c.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True})
+            asked = await c.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True,
+                                                              "stream_options": {"include_usage": True}})  # fmt: skip
+        events = b"".join(_event(i) for i in range(TOKENS))
+        assert plain.status_code == 200 and plain.headers["content-type"].startswith("text/event-stream")
+        assert plain.headers["x-model-version"] == "v1" and plain.headers["x-request-id"]
+        assert plain.content == events + b"data: [DONE]\n\n"  # usage asked for upstream, hidden here
+        assert asked.content == events + USAGE + b"data: [DONE]\n\n"
+        assert all(b["stream_options"]["include_usage"] for b in replica.bodies)
+        assert replica.ended == ["done", "done"] and leases.released == [False, False]
+        assert core.in_flight["m"] == 0
+
+
+async def test_a_client_that_goes_away_mid_stream_ends_the_replica_request() -> None:
+    async with _stack(gap_s=0.05) as (url, replica, leases, core):
+        async with httpx.AsyncClient(timeout=10) as c:
+            async with c.stream("POST", url + "/v1/completions",
+                                json={"model": "m", "prompt": "hi", "stream": True}) as resp:  # fmt: skip
+                got = b""
+                async for chunk in resp.aiter_raw():
+                    got += chunk
+                    if got.count(b"\n\n") >= 3:
+                        break  # leave after three tokens; closing the stream closes the connection
+        assert got.startswith(_event(0))
+        # The replica's request ends long before its 40 x 50 ms, and the replica is released.
+        await _until(lambda: replica.ended == ["client gone"] and leases.released == [False], 1.5)
+        assert core.in_flight["m"] == 0
+        async with httpx.AsyncClient(timeout=10) as c:  # and the gateway serves the next one
+            again = await c.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True})
+        assert again.status_code == 200 and again.content.endswith(b"data: [DONE]\n\n")
