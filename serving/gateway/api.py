@@ -1,21 +1,26 @@
 """The OpenAI-compatible HTTP surface: thin routes over :class:`GatewayCore`.
 
-``create_api(core)`` returns a plain FastAPI app, so tests can drive it in-process through
-``httpx.ASGITransport``; the Serve deployment (:mod:`serving.gateway.deployment`) serves the same app.
+``create_api(core)`` returns a plain ASGI app (:class:`GatewayApp`), so tests can drive it
+in-process through ``httpx.ASGITransport``; the Serve deployment (:mod:`serving.gateway.deployment`)
+serves the same app. The two generate routes are raw ASGI endpoints (they carry every token);
+the rest is FastAPI.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from serving.errors import (
     BodyTooLarge,
@@ -31,49 +36,144 @@ from serving.protocol import Kind, parse_request
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["create_api"]
+__all__ = ["GatewayApp", "create_api"]
 
 _JSON = "application/json"
 
 
-def _request_id(request: Request) -> str:
-    rid = request.headers.get("x-request-id", "")
+def _valid_request_id(rid: str) -> str:
     if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
         return rid
     return uuid.uuid4().hex
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
+def _request_id(request: Request) -> str:
+    return _valid_request_id(request.headers.get("x-request-id", ""))
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """The request body, or None if the client went away first."""
+    declared = _header(scope, b"content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
-class _Stream(StreamingResponse):
-    """A streamed answer whose lease is released even if the stream never runs to its end."""
+async def _stream(result: UpstreamResult, headers: dict[str, str], receive: Receive, send: Send) -> None:
+    """Send a streamed answer chunk by chunk, straight to the server's ``send``.
 
-    def __init__(self, result: UpstreamResult, headers: dict[str, str]) -> None:
-        assert result.stream is not None
-        super().__init__(result.stream, 200, headers, media_type="text/event-stream")
-        self._aclose = result.aclose
+    Not Starlette's StreamingResponse: per chunk it adds two middleware ``send`` wrappers and a
+    task group to the relay, the gateway's hottest path (docs/performance.md, "The relay"). A
+    client that goes away cancels the relay (which ends the upstream request); the lease is
+    released however the stream ends."""
+    task = asyncio.current_task()
+    assert task is not None and result.stream is not None
+    state = {"sending": True, "gone": False}
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def watch_disconnect() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if state["sending"]:
+            state["gone"] = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(watch_disconnect())
+    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    raw.append((b"content-type", b"text/event-stream; charset=utf-8"))
+    try:
+        await send({"type": "http.response.start", "status": 200, "headers": raw})
+        async for chunk in result.stream:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except asyncio.CancelledError:
+        if not state["gone"]:
+            raise
+        task.uncancel()  # the client went away: nothing left to send to
+    finally:
+        state["sending"] = False
+        watcher.cancel()
+        if result.aclose is not None:
+            await result.aclose()
+
+
+class _Generate:
+    """The two generate routes as one raw ASGI endpoint (the per-request and per-chunk path)."""
+
+    def __init__(self, core: GatewayCore, kind: Kind, path: str, rid_header: bool,
+                 error: Callable[[BaseException, str], Response]) -> None:  # fmt: skip
+        self.core, self.kind, self.path, self.rid_header, self._error = core, kind, path, rid_header, error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        core = self.core
+        rid = _valid_request_id(_header(scope, b"x-request-id") or "")
+        started = time.monotonic()
         try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if self._aclose is not None:
-                await self._aclose()
+            tenant = core.auth.authenticate(_header(scope, b"authorization"))
+            raw = await _read_body(scope, receive, core.settings.max_body_bytes)
+            if raw is None:
+                return  # the client left before sending its request
+            parsed = parse_request(raw, self.kind)
+            resolved = core.authorize(tenant, parsed.model)
+            result, extra = await core.complete(parsed, resolved, tenant, self.path, rid,
+                                                session_id=_header(scope, b"x-session-id"))  # fmt: skip
+        except GatewayError as exc:
+            return await self._error(exc, rid)(scope, receive, send)
+        except Exception as exc:  # never a stack trace to the client
+            logger.exception("[%s] unexpected error", rid)
+            return await self._error(exc, rid)(scope, receive, send)
+        headers = {**extra, "x-model-version": resolved.version.version}
+        if self.rid_header:
+            headers["x-request-id"] = rid
+        if core.settings.expose_replica_header:
+            headers["x-replica"] = result.replica
+            headers["x-replica-route"] = result.route
+            headers["x-gateway-replica"] = core.settings.replica_id
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("[%s] %s tenant=%s model=%s@%s replica=%s (%s) attempts=%d %.1fms", rid, self.kind,
+                        tenant.name, resolved.model.name, resolved.version.version, result.replica,
+                        result.route, result.attempts, (time.monotonic() - started) * 1000)  # fmt: skip
+        if result.stream is not None:
+            headers["cache-control"] = "no-cache"
+            return await _stream(result, headers, receive, send)
+        await Response(result.body, result.status, headers, media_type=_JSON)(scope, receive, send)
 
 
-def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> FastAPI:
+class GatewayApp:
+    """The gateway's ASGI app: POSTs to the generate routes go straight to :class:`_Generate`;
+    everything else (and lifespan) to the FastAPI app in ``api``, which routes the same two
+    endpoints too (so a method other than POST gets its OpenAI-shaped 405)."""
+
+    def __init__(self, api: FastAPI, generate: dict[str, _Generate]) -> None:
+        self.api, self._generate = api, generate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self._generate.get(scope["path"])
+            if handler is not None:
+                return await handler(scope, receive, send)
+        await self.api(scope, receive, send)
+
+
+def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> GatewayApp:
     """The routes over ``core``. ``set_request_id_header``: echo ``x-request-id`` on responses
     (default: ``core.settings``; off behind Serve's proxy, which does it itself)."""
     app = FastAPI(title="raystack-llm gateway", docs_url=None, redoc_url=None)
@@ -101,43 +201,12 @@ def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> 
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         return _error(InvalidRequest(str(exc.errors()[:1])), _request_id(request))
 
-    async def _generate(request: Request, kind: Kind, path: str) -> Response:
-        rid = _request_id(request)
-        started = time.monotonic()
-        try:
-            tenant = core.auth.authenticate(request.headers.get("authorization"))
-            raw = await _read_body(request, core.settings.max_body_bytes)
-            parsed = parse_request(raw, kind)
-            resolved = core.authorize(tenant, parsed.model)
-            result, extra = await core.complete(parsed, resolved, tenant, path, rid,
-                                                session_id=request.headers.get("x-session-id"))  # fmt: skip
-        except GatewayError as exc:
-            return _error(exc, rid)
-        except Exception as exc:  # never a stack trace to the client
-            logger.exception("[%s] unexpected error", rid)
-            return _error(exc, rid)
-        headers = {**extra, "x-model-version": resolved.version.version}
-        if rid_header:
-            headers["x-request-id"] = rid
-        if core.settings.expose_replica_header:
-            headers["x-replica"] = result.replica
-            headers["x-replica-route"] = result.route
-            headers["x-gateway-replica"] = core.settings.replica_id
-        logger.info("[%s] %s tenant=%s model=%s@%s replica=%s (%s) attempts=%d %.1fms", rid, kind,
-                    tenant.name, resolved.model.name, resolved.version.version, result.replica,
-                    result.route, result.attempts, (time.monotonic() - started) * 1000)  # fmt: skip
-        if result.stream is not None:
-            headers["cache-control"] = "no-cache"
-            return _Stream(result, headers)
-        return Response(result.body, result.status, headers, media_type=_JSON)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await _generate(request, "chat", "/v1/chat/completions")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate(request, "completion", "/v1/completions")
+    generate = {
+        "/v1/chat/completions": _Generate(core, "chat", "/v1/chat/completions", rid_header, _error),
+        "/v1/completions": _Generate(core, "completion", "/v1/completions", rid_header, _error),
+    }
+    for path, handler in generate.items():
+        app.router.routes.append(Route(path, handler, methods=["POST"]))
 
     def _model_card(model_id: str, root: str, created: int, max_len: int) -> dict[str, object]:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "raystack",
@@ -181,4 +250,4 @@ def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> 
         body = b'{"status":"ready"}' if ok else b'{"status":"not ready"}'
         return Response(body, 200 if ok else 503, media_type=_JSON)
 
-    return app
+    return GatewayApp(app, generate)
