@@ -9,7 +9,8 @@ and one gateway: this repository's gateway app (``serving.gateway.api.create_api
 ``GatewayCore``) on its own listener (uvicorn, as in a gateway replica), with the replica as its
 only upstream and auth off. Closed-loop streaming clients (``loadtests.client``) then send
 ``--requests`` requests, ``--repeats`` times, and the script prints the gateway process's CPU per
-request and per relayed chunk. ``--chunks 1`` isolates the per-request part.
+request. ``--chunks 1`` isolates the per-request part; the rest divided by the chunks is the cost of
+relaying one chunk.
 
 ``--code DIR`` runs the gateway from another checkout (``DIR/serving``), e.g. an older commit
 from ``git worktree add``, for a before/after on the same machine. Figures: docs/performance.md,
@@ -181,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             served = r.requests_per_s * wall
             per_req = cpu / served * 1e3 if served else float("nan")
             print(f"  {r.requests_per_s:7.1f} req/s  failures {r.failures}  gateway {cpu / wall:.2f} cores  "
-                  f"{per_req:.2f} ms CPU/request  {per_req * 1e3 / (args.chunks + 2):.1f} us CPU/chunk  "
-                  f"TTFT p50 {r.ttft_p50_ms:.1f} ms", flush=True)  # fmt: skip
+                  f"{per_req:.2f} ms CPU/request  TTFT p50 {r.ttft_p50_ms:.1f} ms", flush=True)  # fmt: skip
     finally:
         for proc in procs:
             proc.terminate()
