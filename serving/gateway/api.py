@@ -111,6 +111,9 @@ async def _stream(result: UpstreamResult, headers: dict[str, str], receive: Rece
     finally:
         state["sending"] = False
         watcher.cancel()
+        close_stream = getattr(result.stream, "aclose", None)
+        if close_stream is not None:  # a relay left at a ``yield`` runs its cleanup now, not at GC
+            await close_stream()
         if result.aclose is not None:
             await result.aclose()
 
