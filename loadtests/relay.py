@@ -187,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         for proc in procs:
             proc.terminate()
         for proc in procs:
-            proc.wait(10)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     return 0
 
 
