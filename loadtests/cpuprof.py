@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["GROUPS", "cpu_by_group", "group_of", "split"]
+__all__ = ["GROUPS", "cpu_by_group", "cpu_seconds", "group_of", "split"]
 
 # (group, test on "comm\0cmdline"), first match wins
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -48,6 +48,12 @@ def _read(pid_dir: Path) -> tuple[str, float] | None:
     fields = stat[stat.rindex(")") + 2 :].split()
     cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
     return group_of(comm, cmdline), cpu
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) one process has used so far; 0 if it is gone."""
+    r = _read(Path("/proc") / str(pid))
+    return r[1] if r else 0.0
 
 
 def cpu_by_group(proc: Path = Path("/proc")) -> dict[int, tuple[str, float]]:

@@ -22,19 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-__all__ = ["main"]
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+__all__ = ["FixedLease", "OneReplica", "main"]
 
 
 def _chunk(data: bytes) -> bytes:
@@ -86,6 +79,33 @@ def replica(port: int, chunks: int) -> None:
     uvloop.run(serve())
 
 
+class FixedLease:
+    """A lease on the one upstream replica (the gateway's ``Lease`` protocol, no Ray)."""
+
+    route, replica, token = "direct", "r1", "t"
+
+    def __init__(self, url: str, released: list[bool]) -> None:
+        self.url, self._released = url, released
+        self.died = asyncio.Event()
+
+    def release(self, failed: bool = False) -> None:
+        self._released.append(failed)
+
+
+class OneReplica:
+    """A lease provider that always hands out ``url``; ``released`` records each release."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.released: list[bool] = []
+
+    async def lease(self, app: str, hint: object, timeout_s: float, limit: int = 0) -> FixedLease:
+        return FixedLease(self.url, self.released)
+
+    async def ready(self, app: str, timeout_s: float) -> bool:
+        return True
+
+
 def gateway(port: int, upstream: str) -> None:
     """This checkout's gateway app (or ``--code``'s) with one fixed upstream replica."""
     import uvloop
@@ -94,47 +114,15 @@ def gateway(port: int, upstream: str) -> None:
     from serving.gateway.core import GatewayCore, GatewaySettings
     from serving.gateway.direct import DirectListener
 
-    class Lease:
-        route, replica, token = "direct", "r0", "t"
-
-        def __init__(self) -> None:
-            self.url, self.died = upstream, asyncio.Event()
-
-        def release(self, failed: bool = False) -> None:
-            pass
-
-    class OneReplica:
-        async def lease(self, app: str, hint: object, timeout_s: float, limit: int = 0) -> Lease:
-            return Lease()
-
-        async def ready(self, app: str, timeout_s: float) -> bool:
-            return True
-
     async def serve() -> None:
-        core = GatewayCore(GatewaySettings(), OneReplica())
+        leases = OneReplica(upstream)
+        core = GatewayCore(GatewaySettings(), leases)
         core.reconfigure({"auth": {"mode": "open"}, "models": [
             {"name": "m", "max_model_len": 1024, "versions": [{"version": "v1", "weight": 100, "app": "m"}]}]})
         await DirectListener(create_api(core), "127.0.0.1", port).start()
         await asyncio.Event().wait()
 
     uvloop.run(serve())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on port {port}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,16 +147,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from loadtests.client import run_level
+    from loadtests.cpuprof import cpu_seconds
+    from loadtests.servers import wait_serving
+    from serving.models.server import free_port
 
-    replica_port, gateway_port = _free_port(), _free_port()
+    replica_port, gateway_port = free_port(), free_port()
     me = [sys.executable, str(Path(__file__).resolve()), "--chunks", str(args.chunks), "--code", str(code),
           "--ports", str(replica_port), str(gateway_port), "--role"]  # fmt: skip
     procs = [subprocess.Popen([*me, "replica"]), subprocess.Popen([*me, "gateway"])]
     try:
-        _wait_port(replica_port)
-        _wait_port(gateway_port)
         gw = procs[1].pid
         url = f"http://127.0.0.1:{gateway_port}"
+        wait_serving(url, None, "m", 120, procs[1])  # both up: a request went through the gateway
 
         def body() -> dict[str, object]:
             return {"model": "m", "prompt": "hello", "max_tokens": args.chunks, "stream": True}
@@ -176,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_level(url, None, "/v1/completions", body, args.concurrency, min(200, args.requests)))
         print(f"gateway code: {code}; {args.chunks} chunks per request, {args.concurrency} clients")
         for _ in range(args.repeats):
-            cpu0, t0 = _cpu_s(gw), time.monotonic()
+            cpu0, t0 = cpu_seconds(gw), time.monotonic()
             r = asyncio.run(run_level(url, None, "/v1/completions", body, args.concurrency, args.requests))
-            wall, cpu = time.monotonic() - t0, _cpu_s(gw) - cpu0
+            wall, cpu = time.monotonic() - t0, cpu_seconds(gw) - cpu0
             served = r.requests_per_s * wall
             per_req = cpu / served * 1e3 if served else float("nan")
             print(f"  {r.requests_per_s:7.1f} req/s  failures {r.failures}  gateway {cpu / wall:.2f} cores  "

@@ -41,7 +41,7 @@ logger = logging.getLogger("ray.serve")
 
 DRAIN_S = 50.0  # within the model deployment's graceful_shutdown_timeout_s (60, serving/app.py)
 
-__all__ = ["Endpoint", "LeaseHint", "ModelServer"]
+__all__ = ["Endpoint", "LeaseHint", "ModelServer", "free_port"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ class Endpoint:
     replica: str
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -159,7 +160,7 @@ class ModelServer:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = EngineSpec.model_validate(spec)
         self.host = _node_ip()
-        self.port = _free_port(self.host)
+        self.port = free_port(self.host)
         self.token = secrets.token_urlsafe(24)
         self.replica, self.app = _replica_tag()
         self.endpoint = Endpoint(f"http://{self.host}:{self.port}", self.token, self.replica)

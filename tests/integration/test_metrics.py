@@ -9,7 +9,6 @@ reports with a delay of several seconds) and checks the difference.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from serving.config import load_config
+from serving.models.server import free_port
 from tests.conftest import Stack
 
 pytestmark = pytest.mark.integration
@@ -34,12 +34,6 @@ ENGINE_GAUGES = ("ray_raystack_engine_kv_cache_usage_ratio", "ray_raystack_engin
 N_STREAM, N_PLAIN, MAX_TOKENS = 4, 3, 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def prometheus(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], float | None]]:
     """A real Prometheus on loopback scraping the stack's Ray metrics port every second; yields
@@ -53,7 +47,7 @@ def prometheus(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "scrape_configs:\n"
         f"  - job_name: ray\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
     )
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     cmd = [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
            f"--web.listen-address={url.removeprefix('http://')}", "--log.level=warn"]  # fmt: skip
     log = open(work / "prometheus.log", "wb")

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
-import socket
 from collections import Counter
-from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 
 from serving.endpoints import EndpointTable, Record, publish, read_records, withdraw
-from serving.models.server import LeaseHint
+from serving.models.server import LeaseHint, free_port
+from tests.unit.loopback import http_replica
 
 
 class DictKV:
@@ -196,29 +193,6 @@ async def test_serve_leases_pick_directly_and_fall_back_to_serve() -> None:
     assert ServeLeases(direct=False).table is None  # replica_routing: serve
 
 
-@contextlib.asynccontextmanager
-async def _replica(handler: Any) -> AsyncIterator[str]:
-    """A real HTTP server on loopback answering POST /v1/completions with ``handler``."""
-    from aiohttp import web
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # nothing listens there once closed: connections are refused
-
-
 @pytest.mark.parametrize("failed", [True, False])
 async def test_forward_marks_a_replica_that_failed_before_the_first_byte(failed: bool) -> None:
     """A refused connection is retried on another replica, and the failed one is not picked again
@@ -230,8 +204,8 @@ async def test_forward_marks_a_replica_that_failed_before_the_first_byte(failed:
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"choices": [{"text": "1"}]})
 
-    async with _replica(ok) as good, _replica(ok) as other:
-        bad = f"http://127.0.0.1:{_closed_port()}" if failed else other
+    async with http_replica(ok) as good, http_replica(ok) as other:
+        bad = f"http://127.0.0.1:{free_port()}" if failed else other  # nothing listens: refused
         table = EndpointTable(rng=random.Random(4))
         table.update([Record("a", "bad", bad, "t", 1e12), Record("a", "good", good, "t", 1e12)])
         tried: list[str] = []
@@ -274,7 +248,7 @@ async def test_a_stream_from_a_replica_whose_heartbeat_stopped_ends_with_an_erro
         await release.wait()
         return resp
 
-    async with _replica(one_token_then_silence) as url:
+    async with http_replica(one_token_then_silence) as url:
         table = EndpointTable(stale_s=10.0)
         table.update([Record("a", "r1", url, "t", 1000.0)], now=1001.0)
 

@@ -14,14 +14,9 @@ from fastapi import FastAPI
 from serving.app import build_serve_config
 from serving.config import ConfigError, parse_config
 from serving.gateway.direct import DirectListener, bind_shared
+from serving.models.server import free_port
 
 MODEL = {"name": "adder", "versions": [{"version": "v1"}]}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _app(name: str, gate: asyncio.Event | None = None) -> FastAPI:
@@ -37,7 +32,7 @@ def _app(name: str, gate: asyncio.Event | None = None) -> FastAPI:
 
 
 async def test_two_listeners_share_one_port_and_both_serve() -> None:
-    port = _free_port()
+    port = free_port()
     a, b = DirectListener(_app("a"), "127.0.0.1", port), DirectListener(_app("b"), "127.0.0.1", port)
     await a.start()
     await b.start()
@@ -60,7 +55,7 @@ async def test_two_listeners_share_one_port_and_both_serve() -> None:
 
 async def test_in_flight_counts_requests_and_stop_lets_them_finish() -> None:
     gate = asyncio.Event()
-    port = _free_port()
+    port = free_port()
     lis = DirectListener(_app("a", gate), "127.0.0.1", port, drain_s=10)
     await lis.start()
     async with httpx.AsyncClient(timeout=20) as c:
@@ -136,7 +131,7 @@ def test_a_stack_does_not_start_on_a_port_someone_listens_on(tmp_path: Path, mon
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"port\\(s\\) \\[{port}\\]"):
-            stack.start_ray("porttest", LocalRayConfig(), {}, "http://x", (port, _free_port()))
+            stack.start_ray("porttest", LocalRayConfig(), {}, "http://x", (port, free_port()))
     assert not list(tmp_path.iterdir())  # nothing was started or recorded
 
 

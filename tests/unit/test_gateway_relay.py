@@ -8,17 +8,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from aiohttp import web
 
+from loadtests.relay import OneReplica
 from serving.gateway.api import create_api
 from serving.gateway.core import GatewayCore, GatewaySettings
 from serving.gateway.direct import DirectListener
-from serving.models.server import LeaseHint
+from serving.models.server import free_port
+from tests.unit.loopback import http_replica
 
 TOKENS = 40
 
@@ -54,58 +55,22 @@ class Replica:
         return resp
 
 
-class Lease:
-    route = "direct"
-    replica = "r1"
-    token = "t"
-
-    def __init__(self, url: str, released: list[bool]) -> None:
-        self.url, self._released = url, released
-        self.died = asyncio.Event()
-
-    def release(self, failed: bool = False) -> None:
-        self._released.append(failed)
-
-
-class OneReplica:
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.released: list[bool] = []
-
-    async def lease(self, app: str, hint: LeaseHint, timeout_s: float, limit: int = 0) -> Lease:
-        return Lease(self.url, self.released)
-
-    async def ready(self, app: str, timeout_s: float) -> bool:
-        return True
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.asynccontextmanager
 async def _stack(gap_s: float) -> AsyncIterator[tuple[str, Replica, OneReplica, GatewayCore]]:
     replica = Replica(gap_s)
-    app = web.Application()
-    app.router.add_post("/v1/completions", replica.handle)
-    runner = web.AppRunner(app, shutdown_timeout=1.0)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    leases = OneReplica(f"http://127.0.0.1:{runner.addresses[0][1]}")
-    core = GatewayCore(GatewaySettings(), leases)
-    core.reconfigure({"auth": {"mode": "open"}, "models": [
-        {"name": "m", "max_model_len": 512, "versions": [{"version": "v1", "weight": 100, "app": "m--v1"}]}]})
-    port = _free_port()
-    listener = DirectListener(create_api(core, set_request_id_header=True), "127.0.0.1", port, drain_s=2)
-    await listener.start()
-    try:
-        yield f"http://127.0.0.1:{port}", replica, leases, core
-    finally:
-        await listener.stop()
-        await core.aclose()
-        await runner.cleanup()
+    async with http_replica(replica.handle) as replica_url:
+        leases = OneReplica(replica_url)
+        core = GatewayCore(GatewaySettings(), leases)
+        core.reconfigure({"auth": {"mode": "open"}, "models": [
+            {"name": "m", "max_model_len": 512, "versions": [{"version": "v1", "weight": 100, "app": "m--v1"}]}]})
+        port = free_port()
+        listener = DirectListener(create_api(core, set_request_id_header=True), "127.0.0.1", port, drain_s=2)
+        await listener.start()
+        try:
+            yield f"http://127.0.0.1:{port}", replica, leases, core
+        finally:
+            await listener.stop()
+            await core.aclose()
 
 
 async def _until(check: Any, timeout_s: float = 5.0) -> None:
