@@ -1,13 +1,18 @@
 """Benchmark: bare vLLM vs stock Ray Serve LLM vs this stack, on one model, in one run.
 
     python -m loadtests.bench --model-dir DIR --out reports/bench [--concurrency 1 8 32] \
-        [--requests 200] [--output-tokens 64] [--prompt-tokens 16] [--servers bare,rayllm,ours]
+        [--requests 200] [--output-tokens 64] [--prompt-tokens 16] [--servers bare,rayllm,ours] \
+        [--rounds 1]
     python -m loadtests.bench --model-dir DIR --out reports/prefix --prefix-routing
 
 Each server is started, warmed up, measured at every concurrency with closed-loop streaming
 clients (fixed prompt and output lengths, ``ignore_eos``), and stopped before the next one starts.
 Prints a table (requests/s, output tokens/s, TTFT p50/p99, ITL p50, each also as a ratio to bare
-vLLM) and writes ``bench.json`` and ``bench.png``. ``--prefix-routing`` instead runs this stack
+vLLM) and writes ``bench.json`` and ``bench.png``. ``--rounds N`` measures every server N times,
+the order reversed every other round (on a small VM the same server's figures move by a quarter
+from run to run, and the one measured second tends to do worse): the main table then shows each
+figure's median over the rounds, and a second table each round's ratios to bare vLLM and their
+median. ``--prefix-routing`` instead runs this stack
 twice with two replicas, under ``router: prefix_affinity`` and ``router: power_of_two``, on long
 shared system prompts, and compares the two. See docs/performance.md for measured figures.
 """
@@ -20,6 +25,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +37,7 @@ from loadtests.servers import BenchModel, Server, make_server, running
 from loadtests.workload import RequestFactory, random_text
 from serving.config import EngineConfig
 
-__all__ = ["main", "prompt_pool", "ratio_table"]
+__all__ = ["main", "median_rows", "prompt_pool", "ratio_table", "round_orders", "rounds_table"]
 
 METRICS = (("requests_per_s", "req/s", "{:.2f}"), ("output_tokens_per_s", "tok/s", "{:.0f}"),
            ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"), ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"),
@@ -156,19 +162,80 @@ def plot(results: dict[str, list[dict[str, Any]]], png: Path, title: str) -> Non
     plt.close(fig)
 
 
-def run_servers(a: argparse.Namespace, model: BenchModel, log: Any = print) -> dict[str, list[dict[str, Any]]]:
+def round_orders(servers: list[str], rounds: int) -> list[list[str]]:
+    """The server order of each round: as given, then reversed, alternately (ABBA...)."""
+    return [list(servers) if r % 2 == 0 else list(reversed(servers)) for r in range(rounds)]
+
+
+def median_rows(per_round: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per concurrency with the median of every numeric figure over the rounds (failures
+    summed); ``requests_per_s_rounds`` keeps each round's requests/s."""
+    out = []
+    for rows in zip(*per_round, strict=True):
+        row: dict[str, Any] = {"concurrency": rows[0]["concurrency"], "rounds": len(rows)}
+        for key, first in rows[0].items():
+            values = [r.get(key) for r in rows]
+            if key in ("concurrency", "cores_by_group") or isinstance(first, bool):
+                continue
+            if key == "failures":
+                row[key] = sum(values)
+            elif all(isinstance(v, (int, float)) for v in values):
+                row[key] = statistics.median(values)
+        groups = {g for r in rows for g in r.get("cores_by_group", {})}
+        row["cores_by_group"] = {g: round(statistics.median(r.get("cores_by_group", {}).get(g, 0.0) for r in rows), 3)
+                                 for g in sorted(groups)}  # fmt: skip
+        row["requests_per_s_rounds"] = [r["requests_per_s"] for r in rows]
+        out.append(row)
+    return out
+
+
+def rounds_table(rounds: list[dict[str, Any]], base: str = "bare") -> str:
+    """Markdown table of each round's requests/s ratio and TTFT p50 difference to ``base``, per
+    server and concurrency, with the median over the rounds last."""
+    others = [k for k in rounds[0]["results"] if k != base]
+    levels = [row["concurrency"] for row in rounds[0]["results"][base]]
+    head = "| round (order) | conc | " + " | ".join(f"{k} req/s / {base} | {k} TTFT p50 - {base}" for k in others) + " |"
+    lines = [head, "|" + "---|" * (2 + 2 * len(others))]
+    ratios: dict[tuple[str, int], list[float]] = {}
+    diffs: dict[tuple[str, int], list[float]] = {}
+    for i, rnd in enumerate(rounds, 1):
+        res = rnd["results"]
+        for n, c in enumerate(levels):
+            b = res[base][n]
+            cells = []
+            for k in others:
+                r = res[k][n]
+                ratio = r["requests_per_s"] / b["requests_per_s"] if b["requests_per_s"] else float("nan")
+                diff = (r.get("ttft_p50_ms") or 0.0) - (b.get("ttft_p50_ms") or 0.0)
+                ratios.setdefault((k, c), []).append(ratio)
+                diffs.setdefault((k, c), []).append(diff)
+                cells.append(f"{ratio:.2f}x | {diff:+.0f} ms")
+            lines.append(f"| {i} ({','.join(rnd['order'])}) | {c} | " + " | ".join(cells) + " |")
+    for c in levels:
+        cells = [f"**{statistics.median(ratios[(k, c)]):.2f}x** | **{statistics.median(diffs[(k, c)]):+.0f} ms**"
+                 for k in others]  # fmt: skip
+        lines.append(f"| median | {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_servers(a: argparse.Namespace, model: BenchModel, log: Any = print) -> list[dict[str, Any]]:
+    """Every server in turn, ``a.rounds`` times; one ``{"order", "results"}`` per round."""
     per_server = WARMUP_REQUESTS + sum(c + a.requests for c in a.concurrency)
     prompts = prompt_pool(model.path, a.prompt_tokens, n=min(per_server, 20_000))
-    results: dict[str, list[dict[str, Any]]] = {}
-    for kind in a.servers:
-        log(f"starting {kind} (load {load_avg():.1f})...")
-        t0 = time.monotonic()
-        with running(make_server(kind, model, a.out / "logs"), a.start_timeout) as server:
-            pid = f", process group {server.proc.pid}" if server.proc else ""
-            log(f"  {kind} serving after {time.monotonic() - t0:.0f}s{pid}")
-            make = completion_bodies(model.name, prompts, a.output_tokens)
-            results[kind] = measure(server, make, "/v1/completions", a.concurrency, a.requests, log, a.settle_s)
-    return results
+    rounds = []
+    for i, order in enumerate(round_orders(a.servers, a.rounds), 1):
+        results: dict[str, list[dict[str, Any]]] = {}
+        for kind in order:
+            tag = f" (round {i} of {a.rounds})" if a.rounds > 1 else ""
+            log(f"starting {kind}{tag} (load {load_avg():.1f})...")
+            t0 = time.monotonic()
+            with running(make_server(kind, model, a.out / "logs"), a.start_timeout) as server:
+                pid = f", process group {server.proc.pid}" if server.proc else ""
+                log(f"  {kind} serving after {time.monotonic() - t0:.0f}s{pid}")
+                make = completion_bodies(model.name, prompts, a.output_tokens)
+                results[kind] = measure(server, make, "/v1/completions", a.concurrency, a.requests, log, a.settle_s)
+        rounds.append({"order": order, "results": {k: results[k] for k in a.servers}})
+    return rounds
 
 
 def run_prefix_routing(a: argparse.Namespace, model: BenchModel, log: Any = print) -> dict[str, list[dict[str, Any]]]:
@@ -196,6 +263,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--servers", default="bare,rayllm,ours",
                     help="bare,bare-mp,rayllm,rayllm-ha,ours,ours-lease,ours-proxy,ours-ha")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every server this many times, the order reversed every other round; "
+                         "the table shows medians")  # fmt: skip
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
@@ -211,6 +281,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ha", action="store_true", help="prefix mode: our stack in HAProxy ingress mode")
     a = ap.parse_args(argv)
     a.servers = [s.strip() for s in a.servers.split(",") if s.strip()]
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    if a.rounds > 1 and a.prefix_routing:
+        ap.error("--rounds applies to the server comparison, not to --prefix-routing")
     a.engine_args = dict(_engine_arg(x) for x in a.engine_arg)
     return a
 
@@ -245,16 +319,30 @@ def main(argv: list[str] | None = None) -> None:
     model_info = Path(a.model_dir) / "raystack-random-model.json"
     if model_info.exists():
         meta["model"] = json.loads(model_info.read_text())
+    rounds: list[dict[str, Any]] = []
     if a.prefix_routing:
         results = run_prefix_routing(a, model)
         base, title = "power_of_two", f"prefix_affinity vs power_of_two ({a.prefixes} x {a.prefix_chars}-char prefixes)"
     else:
-        results = run_servers(a, model)
+        rounds = run_servers(a, model)
+        results = rounds[0]["results"]
+        if len(rounds) > 1:
+            results = {k: median_rows([r["results"][k] for r in rounds]) for k in a.servers}
         base, title = "bare", "bare vLLM vs stock Ray Serve LLM vs ours"
+        if len(rounds) > 1:
+            title += f" (medians of {len(rounds)} rounds)"
     meta["load_at_end"] = load_avg()
-    (a.out / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    doc: dict[str, Any] = {"meta": meta, "results": results}
+    if len(rounds) > 1:
+        doc["rounds"] = rounds
+    (a.out / "bench.json").write_text(json.dumps(doc, indent=2) + "\n")
     plot(results, a.out / "bench.png", title)
-    table = ratio_table(results, base) + "\n\nCores used per group of processes:\n\n" + cpu_table(results)
+    table = ratio_table(results, base)
+    if len(rounds) > 1:
+        table = f"Medians of {len(rounds)} rounds:\n\n{table}"
+        if base in a.servers and len(a.servers) > 1:
+            table += "\n\nEach round against " + base + ":\n\n" + rounds_table(rounds, base)
+    table += "\n\nCores used per group of processes:\n\n" + cpu_table(results)
     (a.out / "bench.md").write_text(table + "\n")
     print(table)
     print(f"load average: {meta['load_at_start']:.1f} at start, {meta['load_at_end']:.1f} at end; "

@@ -219,6 +219,34 @@ def test_ratio_table() -> None:
     assert "| bare | 8 | 20.00 | 1280 | 40 |" in table
 
 
+def test_rounds_alternate_the_order_and_report_medians() -> None:
+    from loadtests.bench import median_rows, round_orders, rounds_table
+
+    assert round_orders(["ours", "bare"], 3) == [["ours", "bare"], ["bare", "ours"], ["ours", "bare"]]
+
+    def row(c: int, rps: float, ttft: float, fails: int = 0) -> dict[str, object]:
+        return {"concurrency": c, "requests_per_s": rps, "ttft_p50_ms": ttft, "failures": fails,
+                "load_before": 1.0, "cores_by_group": {"engine core": rps / 100}}  # fmt: skip
+
+    rounds = [
+        {"order": ["ours", "bare"], "results": {"ours": [row(8, 88.0, 20.0)], "bare": [row(8, 110.0, 14.0)]}},
+        {"order": ["bare", "ours"], "results": {"ours": [row(8, 80.0, 30.0, 1)], "bare": [row(8, 100.0, 15.0)]}},
+        {"order": ["ours", "bare"], "results": {"ours": [row(8, 95.0, 18.0)], "bare": [row(8, 90.0, 16.0)]}},
+    ]
+    med = median_rows([r["results"]["ours"] for r in rounds])
+    assert med == [{"concurrency": 8, "rounds": 3, "requests_per_s": 88.0, "ttft_p50_ms": 20.0, "failures": 1,
+                    "load_before": 1.0, "cores_by_group": {"engine core": 0.88},
+                    "requests_per_s_rounds": [88.0, 80.0, 95.0]}]  # fmt: skip
+    lines = rounds_table(rounds).splitlines()
+    assert lines[0] == "| round (order) | conc | ours req/s / bare | ours TTFT p50 - bare |"
+    assert lines[2] == "| 1 (ours,bare) | 8 | 0.80x | +6 ms |"
+    assert lines[3] == "| 2 (bare,ours) | 8 | 0.80x | +15 ms |"
+    assert lines[4] == "| 3 (ours,bare) | 8 | 1.06x | +2 ms |"
+    # the median of the per-round ratios (each pair measured close in time), not the ratio of
+    # the medians (88 / 100)
+    assert lines[5] == "| median | 8 | **0.80x** | **+6 ms** |"
+
+
 def test_char_tokenizer_and_exact_length_prompts(tmp_path: Path) -> None:
     from loadtests.bench import prompt_pool
     from loadtests.models import build_tokenizer

@@ -1,0 +1,42 @@
+"""The three-server benchmark itself (issue 8), end to end at smoke size: it starts our stack and
+bare vLLM in turn, twice in alternating order, measures them with streaming clients and writes its
+table, JSON and chart. Figures are not judged here (timing never decides a test): only that every
+server was really measured, in the right order, with no failed request."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def test_bench_measures_each_server_in_alternating_rounds(tmp_path: Path) -> None:
+    model = tmp_path / "tiny"
+    subprocess.run([sys.executable, "-m", "loadtests.models", "tiny", "--out", str(model)], check=True, timeout=300)
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtests.bench", "--model-dir", str(model), "--out", str(out),
+         "--servers", "ours,bare", "--rounds", "2", "--concurrency", "1", "4", "--requests", "8",
+         "--settle-s", "0", "--start-timeout", "600"],
+        capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((out / "bench.json").read_text())
+    assert [r["order"] for r in doc["rounds"]] == [["ours", "bare"], ["bare", "ours"]]
+    for rnd in doc["rounds"]:
+        for kind in ("ours", "bare"):
+            rows = rnd["results"][kind]
+            assert [r["concurrency"] for r in rows] == [1, 4]
+            assert all(r["failures"] == 0 and r["requests_per_s"] > 0 and r["ttft_p50_ms"] > 0 for r in rows)
+    for kind in ("ours", "bare"):  # the main table holds the medians of the two rounds
+        for row in doc["results"][kind]:
+            assert row["rounds"] == 2 and len(row["requests_per_s_rounds"]) == 2
+            assert min(row["requests_per_s_rounds"]) <= row["requests_per_s"] <= max(row["requests_per_s_rounds"])
+    table = (out / "bench.md").read_text()
+    assert "Medians of 2 rounds" in table and "| 2 (bare,ours) | 4 |" in table and "| median | 4 |" in table
+    assert (out / "bench.png").stat().st_size > 10_000
