@@ -4,14 +4,18 @@ On a 2-core machine every CPU-second a proxy, gateway or Ray daemon spends is ta
 so the benchmark records, per level, the CPU time (user + system, from ``/proc/<pid>/stat``) of each
 group below over the level's wall time. A process started during a level counts from its start; one
 that ended during it is missed. Linux only (elsewhere the split is empty).
+
+    python -m loadtests.cpuprof [--seconds 30]    # the same split, now, e.g. of an idle stack
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import time
 from pathlib import Path
 
-__all__ = ["GROUPS", "cpu_by_group", "cpu_seconds", "group_of", "split"]
+__all__ = ["GROUPS", "cpu_by_group", "cpu_seconds", "group_of", "main", "split"]
 
 # (group, test on "comm\0cmdline"), first match wins
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -77,3 +81,20 @@ def split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, floa
         start = before.get(pid, (group, 0.0))[1]
         used[group] = used.get(group, 0.0) + max(0.0, cpu - start)
     return {g: round(s / wall_s, 3) for g, s in sorted(used.items(), key=lambda kv: -kv[1]) if s > 0}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m loadtests.cpuprof",
+                                description="Cores used per group of processes over a window.")  # fmt: skip
+    p.add_argument("--seconds", type=float, default=30.0)
+    a = p.parse_args(argv)
+    before, t0 = cpu_by_group(), time.monotonic()
+    time.sleep(a.seconds)
+    used = split(before, cpu_by_group(), time.monotonic() - t0)
+    for group, cores in used.items():
+        print(f"{group:18} {cores:.3f}")
+    print(f"{'total':18} {sum(used.values()):.3f}  (over {a.seconds:g} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -296,6 +296,11 @@ class LocalRayConfig(_Strict):
     num_cpus: int = Field(
         8, ge=1, description="Logical CPUs Ray may schedule (more than cores: see ENVIRONMENT.md)."
     )
+    serve_control_loop_s: float = Field(
+        0.5, gt=0, le=5,
+        description="Serve controller's reconcile period (Ray's default 0.1 s; 0.5 s halves Ray's idle CPU, "
+        "docs/performance.md).",
+    )  # fmt: skip
 
 
 class StackConfig(_Strict):

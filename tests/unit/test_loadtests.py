@@ -276,6 +276,24 @@ def test_cpu_split_groups_processes_by_role() -> None:
     assert os.getpid() in me and me[os.getpid()][1] > 0
 
 
+def test_cpuprof_command_prints_cores_per_group(capsys: pytest.CaptureFixture[str]) -> None:
+    import threading
+
+    from loadtests.cpuprof import main
+
+    stop = threading.Event()
+    spin = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])  # busy: "other" > 0
+    spin.start()
+    try:
+        main(["--seconds", "0.5"])
+    finally:
+        stop.set()
+        spin.join()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("total") and "(over 0.5 s)" in lines[-1]
+    assert float(lines[-1].split()[1]) > 0.2 and any(line.startswith("other") for line in lines)
+
+
 def test_cpu_table_lists_the_groups_seen() -> None:
     from loadtests.bench import cpu_table
 
