@@ -43,7 +43,16 @@ import httpx
 import yaml
 
 from serving.config import EngineConfig
-from serving.models.engine import EngineSpec, vllm_command, vllm_env
+from serving.models.engine import (
+    EngineSpec,
+    claim_cores,
+    engine_core_pid,
+    pin_single_process,
+    single_process,
+    spare_cores,
+    vllm_command,
+    vllm_env,
+)
 
 __all__ = ["HA_ENV", "BenchModel", "Server", "make_server", "running"]
 
@@ -162,6 +171,21 @@ class Server:
         self.haproxy_before = _haproxy_dirs()
         getattr(self, f"_start_{self.kind.split('-')[0]}")(timeout_s)
         wait_serving(self.base_url, self.api_key, self.model.name, timeout_s, self.proc)
+        if self.kind == "bare":
+            self._pin_like_ours()
+
+    def _pin_like_ours(self) -> None:
+        """The placement our model server gives a single-process CPU engine (``ModelServer._pin``),
+        so that bare vLLM runs the same engine deployment as ours: EngineCore on a core of its
+        own, the API server on the others."""
+        spec = self.model.spec()
+        engine = engine_core_pid(self.proc.pid) if self.proc and single_process(spec) else None
+        if engine is None:
+            return
+        cores = claim_cores(max(1, int(spec.cpus_per_rank)), self.proc.pid)
+        spare = spare_cores(cores)
+        pin_single_process(self.proc.pid, engine, cores, spare)
+        print(f"  bare: EngineCore {engine} on cores {cores}, API server on {spare or 'every core'}", flush=True)
 
     def stop(self) -> None:
         if self.kind.startswith("ours"):

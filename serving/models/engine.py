@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict
 
 from serving.config import ConfigError, EngineConfig, ModelConfig
 
-__all__ = ["EngineSpec", "check_layout", "claim_cores", "cpu_bind_groups", "pid_alive", "single_process",
+__all__ = ["EngineSpec", "check_layout", "claim_cores", "claimed_cores", "cpu_bind_groups", "engine_core_pid",
+           "pid_alive", "pin_single_process", "single_process", "spare_cores",
            "vllm_command", "vllm_env"]
 
 # Node-local record of which cores each CPU engine is bound to (tmpfs: gone at reboot, per pod on K8s)
@@ -153,6 +154,62 @@ def claim_cores(count: int, owner: int, cpus: list[int] | None = None, ledger: P
     return chosen
 
 
+def claimed_cores(ledger: Path | None = None) -> set[int]:
+    """Every core that a live engine on this node has claimed (see :func:`claim_cores`)."""
+    try:
+        raw = json.loads((ledger or CORE_LEDGER).read_text() or "{}")
+    except (OSError, json.JSONDecodeError):
+        return set()
+    return {c for pid, cores in raw.items() if pid_alive(int(pid)) for c in cores}
+
+
+def engine_core_pid(api_pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The ``VLLM::EngineCore`` process that vLLM's API server ``api_pid`` started, if any."""
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if ppid == api_pid and comm.startswith("VLLM::EngineCor"):
+            return int(d.name)
+    return None
+
+
+def _set_affinity(pid: int, cores: set[int]) -> None:
+    """``cores`` for every thread of ``pid`` (threads started later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, FileNotFoundError):  # a thread that just ended
+            continue
+
+
+def spare_cores(cores: list[int], cpus: list[int] | None = None, ledger: Path | None = None) -> list[int]:
+    """This node's cores that neither ``cores`` nor any live engine's claim includes."""
+    taken = claimed_cores(ledger) | set(cores)
+    return [c for c in sorted(cpus if cpus is not None else os.sched_getaffinity(0)) if c not in taken]
+
+
+def pin_single_process(api_pid: int, engine_pid: int, cores: list[int], spare: list[int],
+                       cpus: list[int] | None = None) -> None:  # fmt: skip
+    """Give a single-process CPU engine its claimed ``cores`` to itself: its ``EngineCore``
+    process (``engine_pid``, which runs the model) on ``cores``, its API server (``api_pid``) on
+    ``spare`` (:func:`spare_cores`). With no spare core nothing is pinned: both may use every core.
+
+    Why (docs/performance.md, "Session 5"): unpinned, the stack's other processes (the gateway,
+    the API server, Ray's) run on the engine's core as often as not and the engine loses steps;
+    on the 2-core box, pinning one engine and its API server this way took the stack from 72-82
+    to 86-97 requests/s at 8 clients, while bare vLLM, with no gateway, hardly changed.
+    """
+    every = set(cpus if cpus is not None else os.sched_getaffinity(0))
+    _set_affinity(engine_pid, set(cores) if spare else every)
+    _set_affinity(api_pid, set(spare) if spare else every)
+
+
 def vllm_env(spec: EngineSpec, cores: list[int] | None = None) -> dict[str, str]:
     """Environment for the engine process: offline, no prompt logging, CPU cache; for a
     single-process CPU engine, in-process execution with ``cpus_per_rank`` OpenMP threads, else
@@ -169,8 +226,8 @@ def vllm_env(spec: EngineSpec, cores: list[int] | None = None) -> dict[str, str]
         world = e.tensor_parallel_size * e.pipeline_parallel_size
         if single_process(spec):
             # vLLM's CPU platform keeps the ``uni`` executor only with this set; the API server
-            # still starts EngineCore as its own process. No binding: the API server shares
-            # the cores, and vLLM binds threads only in its multiprocess executor.
+            # still starts EngineCore as its own process. vLLM binds threads only in its
+            # multiprocess executor: the model server pins this one (``pin_single_process``).
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             env["OMP_NUM_THREADS"] = str(max(1, int(spec.cpus_per_rank)))
         elif cores:

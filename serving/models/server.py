@@ -35,7 +35,16 @@ from typing import Any
 import httpx
 
 from serving import endpoints
-from serving.models.engine import EngineSpec, claim_cores, single_process, vllm_command, vllm_env
+from serving.models.engine import (
+    EngineSpec,
+    claim_cores,
+    engine_core_pid,
+    pin_single_process,
+    single_process,
+    spare_cores,
+    vllm_command,
+    vllm_env,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -118,10 +127,11 @@ def _placement_group_gpus(spec: EngineSpec) -> str | None:
 
 
 def _engine_cores(spec: EngineSpec) -> list[int] | None:
-    """Cores for a multi-rank CPU engine, as many as its placement group reserved
-    (``cpus_per_rank`` per rank), apart from the other engines on this node where the node has
-    enough. A single-process engine is not bound (see ``single_process``)."""
-    if spec.use_gpu or single_process(spec):
+    """Cores for a CPU engine, as many as its placement group reserved (``cpus_per_rank`` per
+    rank), apart from the other engines on this node where the node has enough. A multi-rank
+    engine's ranks are bound to them by vLLM; a single-process engine is pinned to them once it
+    runs, if the node keeps a core no engine claims (``ModelServer._pin``)."""
+    if spec.use_gpu:
         return None
     try:
         cores = claim_cores(spec.world_size * max(1, int(spec.cpus_per_rank)), os.getpid())
@@ -164,7 +174,8 @@ class ModelServer:
         self.token = secrets.token_urlsafe(24)
         self.replica, self.app = _replica_tag()
         self.endpoint = Endpoint(f"http://{self.host}:{self.port}", self.token, self.replica)
-        env = {**os.environ, **vllm_env(self.spec, _engine_cores(self.spec))}
+        self.cores = _engine_cores(self.spec)
+        env = {**os.environ, **vllm_env(self.spec, self.cores)}
         gpus = _placement_group_gpus(self.spec)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus
@@ -174,6 +185,9 @@ class ModelServer:
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self._wait_ready()
+        self._engine_pid = engine_core_pid(self.proc.pid) if self.cores and single_process(self.spec) else None
+        self._api_cores: list[int] | None = None
+        self._pin()
         self._background_task: asyncio.Task[None] | None = None
         self._load = 0.0  # the engine's running + waiting requests, read every second
         self._draining = False
@@ -185,6 +199,27 @@ class ModelServer:
             except Exception as exc:  # noqa: BLE001 - without the store, gateways lease through Serve
                 logger.warning("cannot publish the endpoint (%s); gateways will lease through Serve", exc)
                 self._kv = None
+
+    def _pin(self) -> None:
+        """A single-process CPU engine on its claimed cores, its API server on the node's unclaimed
+        ones (none when every core is claimed: then both may use every core); re-applied every few
+        seconds as engines come and go on this node."""
+        if self._engine_pid is None or self.cores is None or self.proc.poll() is not None:
+            return
+        rest = spare_cores(self.cores)
+        if rest == self._api_cores:
+            return
+        try:
+            pin_single_process(self.proc.pid, self._engine_pid, self.cores, rest)
+        except OSError as exc:  # the engine is going away, or affinity is not ours to set
+            logger.warning("cannot pin the engine: %s", exc)
+            self._engine_pid = None
+            return
+        self._api_cores = rest
+        if rest:
+            logger.info("engine core process %d on cores %s, API server on %s", self._engine_pid, self.cores, rest)
+        else:
+            logger.info("every core is claimed by an engine: engine and API server unpinned")
 
     def _publish(self) -> None:
         if self._kv is not None and not self._draining and self.proc.poll() is None:
@@ -213,6 +248,7 @@ class ModelServer:
             except httpx.HTTPError:
                 pass
             if tick % int(endpoints.HEARTBEAT_S) == 0:
+                self._pin()
                 try:
                     await asyncio.to_thread(self._publish)
                 except Exception as exc:  # noqa: BLE001 - gateways drop the record when it goes stale

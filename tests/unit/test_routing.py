@@ -169,3 +169,41 @@ def test_gateway_autoscaling_renders() -> None:
                         "models": [{"name": "m", "versions": [{"version": "v1"}]}]})  # fmt: skip
     gw = build_serve_config(cfg)["applications"][0]["deployments"][0]
     assert gw["autoscaling_config"]["max_replicas"] == 4 and "num_replicas" not in gw
+
+
+def test_single_process_engine_is_pinned_apart_from_its_api_server(tmp_path: Path) -> None:
+    """Real processes: an "API server" whose child names itself like vLLM's EngineCore."""
+    import subprocess
+    import sys
+    import time
+
+    from serving.models.engine import claim_cores, engine_core_pid, pin_single_process, spare_cores
+
+    cpus = sorted(os.sched_getaffinity(0))
+    assert len(cpus) >= 2, "the pinning test needs two cores (CI has two)"
+    child = (
+        "import ctypes, time; ctypes.CDLL(None).prctl(15, b'VLLM::EngineCore', 0, 0, 0); time.sleep(60)"
+    )
+    api = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
+                            f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"])  # fmt: skip
+    ledger = tmp_path / "cores.json"
+    try:
+        deadline = time.monotonic() + 20
+        while (engine := engine_core_pid(api.pid)) is None:
+            assert time.monotonic() < deadline, "the EngineCore stand-in did not start"
+            time.sleep(0.05)
+        cores = claim_cores(1, api.pid, cpus, ledger)
+        spare = spare_cores(cores, cpus, ledger)
+        assert cores == [cpus[0]] and spare == cpus[1:]
+        pin_single_process(api.pid, engine, cores, spare, cpus)
+        assert os.sched_getaffinity(engine) == {cpus[0]} and os.sched_getaffinity(api.pid) == set(cpus[1:])
+        # another engine claims the remaining cores: nothing spare, so both are unpinned again
+        assert claim_cores(len(cpus), os.getpid(), cpus, ledger) == cpus
+        assert spare_cores(cores, cpus, ledger) == []
+        pin_single_process(api.pid, engine, cores, [], cpus)
+        assert os.sched_getaffinity(engine) == set(cpus) == os.sched_getaffinity(api.pid)
+        assert engine_core_pid(engine) is None  # the stand-in started no EngineCore of its own
+    finally:
+        subprocess.run(["pkill", "-P", str(api.pid)], check=False)
+        api.kill()
+        api.wait()
