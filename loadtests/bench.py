@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.client import LevelResult, run_level
-from loadtests.cpuprof import GROUPS, cpu_by_group, split
+from loadtests.cpuprof import GROUPS, affinity_by_group, cpu_by_group, split
 from loadtests.scenario import RequestSpec, SharedPrefix
 from loadtests.servers import BenchModel, Server, make_server, running
 from loadtests.workload import RequestFactory, random_text
@@ -97,12 +97,14 @@ def measure(server: Server, make_body: Any, path: str, levels: list[int], reques
                                                requests, warmup=c))  # fmt: skip
         cores = split(before, cpu_by_group(), time.monotonic() - t0)  # the level incl. its warm-up
         row = {**r.as_dict(), "load_before": round(load, 2), "load_after": round(load_avg(), 2),
-               "cores_by_group": cores}  # fmt: skip
+               "cores_by_group": cores, "affinity": affinity_by_group()}  # fmt: skip
         out.append(row)
         log(f"  {server.kind:10} c={c:<3} {r.requests_per_s:7.2f} req/s {r.output_tokens_per_s:8.0f} tok/s  "
             f"TTFT p50 {r.ttft_p50_ms or 0:6.0f} ms p99 {r.ttft_p99_ms or 0:6.0f} ms  failures {r.failures}  "
             f"client CPU {r.client_cpu_s / r.wall_s:.0%}  load {load:.1f}")  # fmt: skip
         log("    cores: " + ", ".join(f"{g} {v:.2f}" for g, v in cores.items()))
+        if row["affinity"]:
+            log("    may run on cores: " + ", ".join(f"{g} {v}" for g, v in row["affinity"].items()))
     return out
 
 
@@ -175,7 +177,7 @@ def median_rows(per_round: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"concurrency": rows[0]["concurrency"], "rounds": len(rows)}
         for key, first in rows[0].items():
             values = [r.get(key) for r in rows]
-            if key in ("concurrency", "cores_by_group") or isinstance(first, bool):
+            if key in ("concurrency", "cores_by_group", "affinity") or isinstance(first, bool):
                 continue
             if key == "failures":
                 row[key] = sum(values)

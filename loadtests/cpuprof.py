@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["GROUPS", "cpu_by_group", "cpu_seconds", "group_of", "main", "split"]
+__all__ = ["GROUPS", "affinity_by_group", "cpu_by_group", "cpu_seconds", "group_of", "main", "split"]
 
 # (group, test on "comm\0cmdline"), first match wins
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -71,6 +71,25 @@ def cpu_by_group(proc: Path = Path("/proc")) -> dict[int, tuple[str, float]]:
             if r is not None:
                 out[int(d.name)] = r
     return out
+
+
+def affinity_by_group(groups: tuple[str, ...] = ("engine core", "vLLM API server"),
+                      proc: Path = Path("/proc")) -> dict[str, list[int]]:  # fmt: skip
+    """The cores the processes of each of ``groups`` may run on (the union over the group)."""
+    out: dict[str, set[int]] = {}
+    if not proc.is_dir():
+        return {}
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        r = _read(d)
+        if r is None or r[0] not in groups:
+            continue
+        try:
+            out.setdefault(r[0], set()).update(os.sched_getaffinity(int(d.name)))
+        except OSError:  # gone meanwhile
+            continue
+    return {g: sorted(cores) for g, cores in sorted(out.items())}
 
 
 def split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],

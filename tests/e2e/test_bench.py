@@ -1,7 +1,8 @@
 """The three-server benchmark itself (issue 8), end to end at smoke size: it starts our stack and
 bare vLLM in turn, twice in alternating order, measures them with streaming clients and writes its
 table, JSON and chart. Figures are not judged here (timing never decides a test): only that every
-server was really measured, in the right order, with no failed request."""
+server was really measured, in the right order, with no failed request, and that both ran their
+engine on a core of its own."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ def test_bench_measures_each_server_in_alternating_rounds(tmp_path: Path) -> Non
             rows = rnd["results"][kind]
             assert [r["concurrency"] for r in rows] == [1, 4]
             assert all(r["failures"] == 0 and r["requests_per_s"] > 0 and r["ttft_p50_ms"] > 0 for r in rows)
+            # one single-process engine on a 2-core node: EngineCore alone on its claimed core,
+            # the API server on the other (serving.models.engine.pin_single_process)
+            placed = rows[0]["affinity"]
+            assert len(placed["engine core"]) == 1, placed
+            assert placed["vLLM API server"] and not set(placed["engine core"]) & set(placed["vLLM API server"])
     for kind in ("ours", "bare"):  # the main table holds the medians of the two rounds
         for row in doc["results"][kind]:
             assert row["rounds"] == 2 and len(row["requests_per_s_rounds"]) == 2

@@ -294,6 +294,14 @@ def test_cpuprof_command_prints_cores_per_group(capsys: pytest.CaptureFixture[st
     assert float(lines[-1].split()[1]) > 0.2 and any(line.startswith("other") for line in lines)
 
 
+def test_affinity_by_group_reads_the_real_processes() -> None:
+    from loadtests.cpuprof import affinity_by_group
+
+    got = affinity_by_group(groups=("other",))  # this test process is in "other"
+    assert set(got["other"]) >= os.sched_getaffinity(0)
+    assert affinity_by_group(groups=("no such group",)) == {}
+
+
 def test_cpu_table_lists_the_groups_seen() -> None:
     from loadtests.bench import cpu_table
 
