@@ -272,6 +272,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--no-pin-cores", action="store_true",
+                    help="leave a CPU engine and its API server unpinned (engine.pin_cores: false), for ours and bare")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="further vLLM flag for every server, e.g. num-gpu-blocks-override=64 (repeatable)")
     ap.add_argument("--gpu", action="store_true", help="CUDA vLLM, one GPU per server")
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     engine = EngineConfig(max_model_len=a.max_model_len, dtype=a.dtype or ("bfloat16" if a.gpu else "float32"),
                           max_num_seqs=a.max_num_seqs, enable_prefix_caching=not a.no_prefix_caching,
-                          extra_args=a.engine_args)  # fmt: skip
+                          pin_cores=not a.no_pin_cores, extra_args=a.engine_args)  # fmt: skip
     model = BenchModel(str(Path(a.model_dir).resolve()), engine, use_gpu=a.gpu)
     meta = {"argv": vars(a) | {"out": str(a.out)}, "engine": engine.model_dump(mode="json"),
             "host": platform.node(), "cpus": os.cpu_count(), "load_at_start": load_avg(),

@@ -66,6 +66,11 @@ class EngineConfig(_Strict):
         1, ge=1, description="CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
     )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU only.")
+    pin_cores: bool = Field(
+        True,
+        description="CPU, one rank: EngineCore on its own claimed core(s), vLLM's API server on the node's "
+        "unclaimed cores, if any (docs/performance.md).",
+    )
     extra_args: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description="Further vLLM CLI flags, e.g. {enforce-eager: true}; booleans become bare flags.",

@@ -62,7 +62,7 @@ def single_process(spec: EngineSpec) -> bool:
     spin-waiting (``sched_yield``) for each other at every step. On 2 cores those two spinners
     took ~1.7 cores and starved vLLM's own API server: 18-24 requests/s at 8 clients with the
     tokens of a request arriving in one burst, against 104 requests/s and TTFT p50 14 ms with
-    ``uni`` and one OpenMP thread (docs/performance.md, "Now: one process per CPU engine").
+    ``uni`` and one OpenMP thread (docs/performance.md, "Session 3: one process per CPU engine").
     """
     backend = _extra(spec, "distributed-executor-backend")
     return not spec.use_gpu and spec.world_size == 1 and backend in (None, "uni")

@@ -185,7 +185,8 @@ class ModelServer:
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self._wait_ready()
-        self._engine_pid = engine_core_pid(self.proc.pid) if self.cores and single_process(self.spec) else None
+        pin = self.cores and self.spec.engine.pin_cores and single_process(self.spec)
+        self._engine_pid = engine_core_pid(self.proc.pid) if pin else None
         self._api_cores: list[int] | None = None
         self._pin()
         self._background_task: asyncio.Task[None] | None = None
