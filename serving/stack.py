@@ -132,8 +132,9 @@ def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str
     # Ray starts workers at nice 15, below its own daemons; the engines are the product, so they
     # run at normal priority unless the environment says otherwise (docs/performance.md)
     nice = {"RAY_worker_niceness": "0"}
-    # Serve's controller reconciles every 0.1 s by default, idle or not (with the GCS calls it
-    # makes, ~0.04 of a core on the 2-core box); the local stack's changes are rare and slow
+    # Serve's controller reconciles every 0.1 s, idle or not (with its GCS calls ~0.04 of a core on
+    # the 2-core box); a longer period saves some of that, but a promotion's last route change
+    # then reaches the gateway after `serving promote` returned (tests/e2e/test_promotion.py)
     loop = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": f"{ray.serve_control_loop_s:g}"}
     log = open(RUN_DIR / f"{name}-ray.log", "ab")
     proc = subprocess.Popen(cmd, env={**nice, **os.environ, **env, **loop, **auth_env}, stdout=log, stderr=log,

@@ -32,5 +32,5 @@ def test_serve_controller_runs_with_the_configured_control_loop(stack: Stack) ->
         if env.get("RAY_AUTH_TOKEN_PATH") == token:  # this stack's head, not another one
             controllers.append(env)
     assert len(controllers) == 1
-    assert cfg.local_ray.serve_control_loop_s == 0.5  # the default (the stack file does not set it)
-    assert controllers[0]["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"
+    assert cfg.local_ray.serve_control_loop_s == 0.1  # the default (the stack file does not set it)
+    assert controllers[0]["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
