@@ -77,7 +77,7 @@ def vllm_command(spec: EngineSpec, host: str, port: int, token: str) -> list[str
         "--served-model-name", spec.model,
         "--host", host,
         "--port", str(port),
-        "--api-key", token,
+        f"--api-key={token}",  # one argument: a token_urlsafe token may start with "-"
         "--max-model-len", str(e.max_model_len),
         "--dtype", e.dtype,
         "--max-num-seqs", str(e.max_num_seqs),

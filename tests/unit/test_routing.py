@@ -207,3 +207,17 @@ def test_single_process_engine_is_pinned_apart_from_its_api_server(tmp_path: Pat
         subprocess.run(["pkill", "-P", str(api.pid)], check=False)
         api.kill()
         api.wait()
+
+
+def test_vllm_parses_a_token_that_starts_with_a_dash() -> None:
+    """secrets.token_urlsafe can start with "-"; as a separate argument vLLM took it for an option
+    and the server exited at start (seen once in CI)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from serving.models.engine import vllm_command
+
+    spec = EngineSpec(model="m", version="v1", path="/p", engine=EngineConfig())
+    args = vllm_command(spec, "127.0.0.1", 8000, "-Xq_starts-with-dash")
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args[2:])
+    assert ns.api_key == ["-Xq_starts-with-dash"] and ns.port == 8000 and ns.model == "/p"
