@@ -179,8 +179,9 @@ class Server:
         so that bare vLLM runs the same engine deployment as ours: EngineCore on a core of its
         own, the API server on the others."""
         spec = self.model.spec()
-        pin = self.proc is not None and spec.engine.pin_cores and single_process(spec)
-        engine = engine_core_pid(self.proc.pid) if self.proc and pin else None
+        if self.proc is None or not (spec.engine.pin_cores and single_process(spec)):
+            return
+        engine = engine_core_pid(self.proc.pid)
         if engine is None:
             return
         cores = claim_cores(max(1, int(spec.cpus_per_rank)), self.proc.pid)
