@@ -12,7 +12,7 @@ CONFIG ?= deployments/local.yaml
 TORCH_INDEX ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,--extra-index-url https://download.pytorch.org/whl/cpu)
 PYTEST_ARGS ?=
 
-.PHONY: install tools up down status test test-unit test-integration test-e2e clean
+.PHONY: install tools up down status check test test-unit test-integration test-e2e clean
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
@@ -43,8 +43,13 @@ down:
 status:
 	$(BIN)/serving status -c $(CONFIG)
 
+# Lint, format, types and the import layering; `make test` fails on any finding.
+check: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
 # Unit first, then the integration stack, then the e2e stacks (one stack at a time on 2 cores).
-test: install tools
+test: install tools check
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/unit tests/integration tests/e2e
 
 test-unit: install

@@ -39,9 +39,13 @@ from serving.config import EngineConfig
 
 __all__ = ["main", "median_rows", "prompt_pool", "ratio_table", "round_orders", "rounds_table"]
 
-METRICS = (("requests_per_s", "req/s", "{:.2f}"), ("output_tokens_per_s", "tok/s", "{:.0f}"),
-           ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"), ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"),
-           ("itl_p50_ms", "ITL p50 ms", "{:.2f}"))  # fmt: skip
+METRICS = (
+    ("requests_per_s", "req/s", "{:.2f}"),
+    ("output_tokens_per_s", "tok/s", "{:.0f}"),
+    ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
+    ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"),
+    ("itl_p50_ms", "ITL p50 ms", "{:.2f}"),
+)
 
 
 WARMUP_REQUESTS = 8  # per server, before the first level (plus one per client before each level)
@@ -76,15 +80,22 @@ def completion_bodies(model: str, prompts: list[str], output_tokens: int) -> Any
     it = iter(range(1 << 62))
 
     def make() -> dict[str, Any]:
-        return {"model": model, "prompt": prompts[next(it) % len(prompts)], "max_tokens": output_tokens,
-                "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        return {
+            "model": model,
+            "prompt": prompts[next(it) % len(prompts)],
+            "max_tokens": output_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
 
     return make
 
 
-def measure(server: Server, make_body: Any, path: str, levels: list[int], requests: int,
-            log: Any = print, settle_s: float = 0.0) -> list[dict[str, Any]]:  # fmt: skip
+def measure(
+    server: Server, make_body: Any, path: str, levels: list[int], requests: int, log: Any = print, settle_s: float = 0.0
+) -> list[dict[str, Any]]:
     out = []
     asyncio.run(run_level(server.base_url, server.api_key, path, make_body, 4, WARMUP_REQUESTS))
     # a Ray head keeps busy for a while after it answers (dashboard modules, agents); on 2 cores
@@ -93,15 +104,21 @@ def measure(server: Server, make_body: Any, path: str, levels: list[int], reques
     for c in levels:
         load = load_avg()
         before, t0 = cpu_by_group(), time.monotonic()
-        r: LevelResult = asyncio.run(run_level(server.base_url, server.api_key, path, make_body, c,
-                                               requests, warmup=c))  # fmt: skip
+        r: LevelResult = asyncio.run(run_level(server.base_url, server.api_key, path, make_body, c, requests, warmup=c))
         cores = split(before, cpu_by_group(), time.monotonic() - t0)  # the level incl. its warm-up
-        row = {**r.as_dict(), "load_before": round(load, 2), "load_after": round(load_avg(), 2),
-               "cores_by_group": cores, "affinity": affinity_by_group()}  # fmt: skip
+        row = {
+            **r.as_dict(),
+            "load_before": round(load, 2),
+            "load_after": round(load_avg(), 2),
+            "cores_by_group": cores,
+            "affinity": affinity_by_group(),
+        }
         out.append(row)
-        log(f"  {server.kind:10} c={c:<3} {r.requests_per_s:7.2f} req/s {r.output_tokens_per_s:8.0f} tok/s  "
+        log(
+            f"  {server.kind:10} c={c:<3} {r.requests_per_s:7.2f} req/s {r.output_tokens_per_s:8.0f} tok/s  "
             f"TTFT p50 {r.ttft_p50_ms or 0:6.0f} ms p99 {r.ttft_p99_ms or 0:6.0f} ms  failures {r.failures}  "
-            f"client CPU {r.client_cpu_s / r.wall_s:.0%}  load {load:.1f}")  # fmt: skip
+            f"client CPU {r.client_cpu_s / r.wall_s:.0%}  load {load:.1f}"
+        )
         log("    cores: " + ", ".join(f"{g} {v:.2f}" for g, v in cores.items()))
         if row["affinity"]:
             log("    may run on cores: " + ", ".join(f"{g} {v}" for g, v in row["affinity"].items()))
@@ -122,8 +139,11 @@ def ratio_table(results: dict[str, list[dict[str, Any]]], base: str = "bare") ->
                 if v is not None and b and kind != base:
                     cell += f" ({v / b:.2f}x)"
                 cells.append(cell)
-            lines.append(f"| {kind} | {row['concurrency']} | " + " | ".join(cells)
-                         + f" | {row['failures']} | {row['load_before']:.1f} |")  # fmt: skip
+            lines.append(
+                f"| {kind} | {row['concurrency']} | "
+                + " | ".join(cells)
+                + f" | {row['failures']} | {row['load_before']:.1f} |"
+            )
     return "\n".join(lines)
 
 
@@ -135,8 +155,11 @@ def cpu_table(results: dict[str, list[dict[str, Any]]]) -> str:
     for kind, rows in results.items():
         for row in rows:
             cores = row.get("cores_by_group", {})
-            lines.append(f"| {kind} | {row['concurrency']} | " + " | ".join(f"{cores.get(g, 0):.2f}" for g in seen)
-                         + f" | {sum(cores.values()):.2f} |")  # fmt: skip
+            lines.append(
+                f"| {kind} | {row['concurrency']} | "
+                + " | ".join(f"{cores.get(g, 0):.2f}" for g in seen)
+                + f" | {sum(cores.values()):.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -147,8 +170,11 @@ def plot(results: dict[str, list[dict[str, Any]]], png: Path, title: str) -> Non
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    panels = (("output_tokens_per_s", "output tokens/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
-              ("ttft_p99_ms", "TTFT p99 (ms)"))
+    panels = (
+        ("output_tokens_per_s", "output tokens/s"),
+        ("ttft_p50_ms", "TTFT p50 (ms)"),
+        ("ttft_p99_ms", "TTFT p99 (ms)"),
+    )
     for ax, (key, label) in zip(axes, panels, strict=True):
         for kind, rows in results.items():
             pts = [(r["concurrency"], r[key]) for r in rows if r.get(key) is not None]
@@ -184,8 +210,10 @@ def median_rows(per_round: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             elif all(isinstance(v, (int, float)) for v in values):
                 row[key] = statistics.median(values)
         groups = {g for r in rows for g in r.get("cores_by_group", {})}
-        row["cores_by_group"] = {g: round(statistics.median(r.get("cores_by_group", {}).get(g, 0.0) for r in rows), 3)
-                                 for g in sorted(groups)}  # fmt: skip
+        row["cores_by_group"] = {
+            g: round(statistics.median(r.get("cores_by_group", {}).get(g, 0.0) for r in rows), 3)
+            for g in sorted(groups)
+        }
         row["requests_per_s_rounds"] = [r["requests_per_s"] for r in rows]
         out.append(row)
     return out
@@ -196,7 +224,9 @@ def rounds_table(rounds: list[dict[str, Any]], base: str = "bare") -> str:
     server and concurrency, with the median over the rounds last."""
     others = [k for k in rounds[0]["results"] if k != base]
     levels = [row["concurrency"] for row in rounds[0]["results"][base]]
-    head = "| round (order) | conc | " + " | ".join(f"{k} req/s / {base} | {k} TTFT p50 - {base}" for k in others) + " |"
+    head = (
+        "| round (order) | conc | " + " | ".join(f"{k} req/s / {base} | {k} TTFT p50 - {base}" for k in others) + " |"
+    )
     lines = [head, "|" + "---|" * (2 + 2 * len(others))]
     ratios: dict[tuple[str, int], list[float]] = {}
     diffs: dict[tuple[str, int], list[float]] = {}
@@ -214,8 +244,10 @@ def rounds_table(rounds: list[dict[str, Any]], base: str = "bare") -> str:
                 cells.append(f"{ratio:.2f}x | {diff:+.0f} ms")
             lines.append(f"| {i} ({','.join(rnd['order'])}) | {c} | " + " | ".join(cells) + " |")
     for c in levels:
-        cells = [f"**{statistics.median(ratios[(k, c)]):.2f}x** | **{statistics.median(diffs[(k, c)]):+.0f} ms**"
-                 for k in others]  # fmt: skip
+        cells = [
+            f"**{statistics.median(ratios[(k, c)]):.2f}x** | **{statistics.median(diffs[(k, c)]):+.0f} ms**"
+            for k in others
+        ]
         lines.append(f"| median | {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -242,8 +274,15 @@ def run_servers(a: argparse.Namespace, model: BenchModel, log: Any = print) -> l
 
 def run_prefix_routing(a: argparse.Namespace, model: BenchModel, log: Any = print) -> dict[str, list[dict[str, Any]]]:
     prefix = SharedPrefix(count=a.prefixes, chars=a.prefix_chars)
-    spec = RequestSpec(name="prefix", model=model.name, endpoint="chat", prompt="{text}", user_chars=24,
-                       max_tokens=a.output_tokens, shared_prefix=prefix)
+    spec = RequestSpec(
+        name="prefix",
+        model=model.name,
+        endpoint="chat",
+        prompt="{text}",
+        user_chars=24,
+        max_tokens=a.output_tokens,
+        shared_prefix=prefix,
+    )
     results: dict[str, list[dict[str, Any]]] = {}
     for router in ("prefix_affinity", "power_of_two"):
         factory = RequestFactory(spec, random.Random(0))  # the same request sequence for both
@@ -255,27 +294,40 @@ def run_prefix_routing(a: argparse.Namespace, model: BenchModel, log: Any = prin
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m loadtests.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m loadtests.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model-dir", required=True, help="HF model directory (python -m loadtests.models)")
     ap.add_argument("--out", type=Path, default=Path("reports/bench"))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests", type=int, default=200, help="measured requests per concurrency")
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=16)
-    ap.add_argument("--servers", default="bare,rayllm,ours",
-                    help="bare,bare-mp,rayllm,rayllm-ha,ours,ours-lease,ours-proxy,ours-ha")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="measure every server this many times, the order reversed every other round; "
-                         "the table shows medians")  # fmt: skip
+    ap.add_argument(
+        "--servers", default="bare,rayllm,ours", help="bare,bare-mp,rayllm,rayllm-ha,ours,ours-lease,ours-proxy,ours-ha"
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every server this many times, the order reversed every other round; the table shows medians",
+    )
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--no-pin-cores", action="store_true",
-                    help="leave a CPU engine and its API server unpinned (engine.pin_cores: false), for ours and bare")
-    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="further vLLM flag for every server, e.g. num-gpu-blocks-override=64 (repeatable)")
+    ap.add_argument(
+        "--no-pin-cores",
+        action="store_true",
+        help="leave a CPU engine and its API server unpinned (engine.pin_cores: false), for ours and bare",
+    )
+    ap.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="further vLLM flag for every server, e.g. num-gpu-blocks-override=64 (repeatable)",
+    )
     ap.add_argument("--gpu", action="store_true", help="CUDA vLLM, one GPU per server")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--settle-s", type=float, default=30, help="idle seconds after warm-up, before the first level")
@@ -313,13 +365,23 @@ def _engine_arg(text: str) -> tuple[str, str | int | float | bool]:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    engine = EngineConfig(max_model_len=a.max_model_len, dtype=a.dtype or ("bfloat16" if a.gpu else "float32"),
-                          max_num_seqs=a.max_num_seqs, enable_prefix_caching=not a.no_prefix_caching,
-                          pin_cores=not a.no_pin_cores, extra_args=a.engine_args)  # fmt: skip
+    engine = EngineConfig(
+        max_model_len=a.max_model_len,
+        dtype=a.dtype or ("bfloat16" if a.gpu else "float32"),
+        max_num_seqs=a.max_num_seqs,
+        enable_prefix_caching=not a.no_prefix_caching,
+        pin_cores=not a.no_pin_cores,
+        extra_args=a.engine_args,
+    )
     model = BenchModel(str(Path(a.model_dir).resolve()), engine, use_gpu=a.gpu)
-    meta = {"argv": vars(a) | {"out": str(a.out)}, "engine": engine.model_dump(mode="json"),
-            "host": platform.node(), "cpus": os.cpu_count(), "load_at_start": load_avg(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    meta = {
+        "argv": vars(a) | {"out": str(a.out)},
+        "engine": engine.model_dump(mode="json"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_at_start": load_avg(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     model_info = Path(a.model_dir) / "raystack-random-model.json"
     if model_info.exists():
         meta["model"] = json.loads(model_info.read_text())
@@ -349,8 +411,10 @@ def main(argv: list[str] | None = None) -> None:
     table += "\n\nCores used per group of processes:\n\n" + cpu_table(results)
     (a.out / "bench.md").write_text(table + "\n")
     print(table)
-    print(f"load average: {meta['load_at_start']:.1f} at start, {meta['load_at_end']:.1f} at end; "
-          f"written: {a.out / 'bench.json'}, {a.out / 'bench.png'}, {a.out / 'bench.md'}")  # fmt: skip
+    print(
+        f"load average: {meta['load_at_start']:.1f} at start, {meta['load_at_end']:.1f} at end; "
+        f"written: {a.out / 'bench.json'}, {a.out / 'bench.png'}, {a.out / 'bench.md'}"
+    )
 
 
 if __name__ == "__main__":

@@ -59,15 +59,22 @@ class LevelResult:
         itl = [o.itl_s for o in ok if o.itl_s is not None]
         tokens = sum(o.tokens for o in ok)
         return cls(
-            concurrency=concurrency, requests=len(outs), failures=len(outs) - len(ok),
-            wall_s=wall_s, requests_per_s=len(ok) / wall_s, output_tokens_per_s=tokens / wall_s,
-            ttft_p50_ms=ms(percentile(ttft, 50)), ttft_p99_ms=ms(percentile(ttft, 99)),
-            itl_p50_ms=ms(percentile(itl, 50)), itl_p99_ms=ms(percentile(itl, 99)),
+            concurrency=concurrency,
+            requests=len(outs),
+            failures=len(outs) - len(ok),
+            wall_s=wall_s,
+            requests_per_s=len(ok) / wall_s,
+            output_tokens_per_s=tokens / wall_s,
+            ttft_p50_ms=ms(percentile(ttft, 50)),
+            ttft_p99_ms=ms(percentile(ttft, 99)),
+            itl_p50_ms=ms(percentile(itl, 50)),
+            itl_p99_ms=ms(percentile(itl, 99)),
             latency_p50_ms=ms(percentile([o.latency_s for o in ok], 50)),
             mean_prompt_tokens=statistics.fmean([o.prompt_tokens for o in ok]) if ok else 0.0,
             mean_output_tokens=tokens / len(ok) if ok else 0.0,
-            errors=sorted({o.error for o in outs if not o.ok})[:5], client_cpu_s=client_cpu_s,
-        )  # fmt: skip
+            errors=sorted({o.error for o in outs if not o.ok})[:5],
+            client_cpu_s=client_cpu_s,
+        )
 
 
 async def send(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Outcome:
@@ -84,14 +91,22 @@ async def send(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Ou
         return Outcome(False, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}"[:200])
 
 
-async def run_level(base_url: str, api_key: str | None, path: str, make_body: Callable[[], dict[str, Any]],
-                    concurrency: int, requests: int, warmup: int = 0,
-                    timeout_s: float = 120) -> LevelResult:  # fmt: skip
+async def run_level(
+    base_url: str,
+    api_key: str | None,
+    path: str,
+    make_body: Callable[[], dict[str, Any]],
+    concurrency: int,
+    requests: int,
+    warmup: int = 0,
+    timeout_s: float = 120,
+) -> LevelResult:
     """``warmup`` unrecorded requests (at the same concurrency), then ``requests`` recorded ones."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(timeout_s, connect=10)) as client:  # fmt: skip
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, limits=limits, timeout=httpx.Timeout(timeout_s, connect=10)
+    ) as client:
 
         async def batch(n: int) -> list[Outcome]:
             left = n

@@ -26,10 +26,22 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model replica", ("ServeReplica:",)),
     ("Serve proxy", ("ProxyActor", "haproxy")),
     ("Serve controller", ("ServeController",)),
-    ("Ray daemons", ("raylet", "gcs_server", "dashboard", "ray::", "log_monitor", "monitor.py",
-                     "ray.util.client.server", "ray start", "runtime_env")),
+    (
+        "Ray daemons",
+        (
+            "raylet",
+            "gcs_server",
+            "dashboard",
+            "ray::",
+            "log_monitor",
+            "monitor.py",
+            "ray.util.client.server",
+            "ray start",
+            "runtime_env",
+        ),
+    ),
     ("benchmark client", ("loadtests.bench",)),
-)  # fmt: skip
+)
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -73,8 +85,9 @@ def cpu_by_group(proc: Path = Path("/proc")) -> dict[int, tuple[str, float]]:
     return out
 
 
-def affinity_by_group(groups: tuple[str, ...] = ("engine core", "vLLM API server"),
-                      proc: Path = Path("/proc")) -> dict[str, list[int]]:  # fmt: skip
+def affinity_by_group(
+    groups: tuple[str, ...] = ("engine core", "vLLM API server"), proc: Path = Path("/proc")
+) -> dict[str, list[int]]:
     """The cores the processes of each of ``groups`` may run on (the union over the group)."""
     out: dict[str, set[int]] = {}
     if not proc.is_dir():
@@ -92,8 +105,7 @@ def affinity_by_group(groups: tuple[str, ...] = ("engine core", "vLLM API server
     return {g: sorted(cores) for g, cores in sorted(out.items())}
 
 
-def split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
-          wall_s: float) -> dict[str, float]:  # fmt: skip
+def split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall_s: float) -> dict[str, float]:
     """Cores used per group between two samples (CPU seconds / wall seconds), largest first."""
     used: dict[str, float] = {}
     for pid, (group, cpu) in after.items():
@@ -103,8 +115,9 @@ def split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, floa
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m loadtests.cpuprof",
-                                description="Cores used per group of processes over a window.")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m loadtests.cpuprof", description="Cores used per group of processes over a window."
+    )
     p.add_argument("--seconds", type=float, default=30.0)
     a = p.parse_args(argv)
     before, t0 = cpu_by_group(), time.monotonic()

@@ -36,8 +36,9 @@ ALL = "ALL"
 
 
 def _fire(kind: str, name: str, ms: float, length: int = 0, exc: Exception | None = None) -> None:
-    events.request.fire(request_type=kind, name=name, response_time=ms, response_length=length,
-                        exception=exc, context={})  # fmt: skip
+    events.request.fire(
+        request_type=kind, name=name, response_time=ms, response_length=length, exception=exc, context={}
+    )
 
 
 class OpenAIStreamingUser(User):
@@ -48,8 +49,9 @@ class OpenAIStreamingUser(User):
     def on_start(self) -> None:
         key = os.environ.get("OPENAI_API_KEY")
         headers = {"authorization": f"Bearer {key}"} if key else {}
-        self.http = httpx.Client(base_url=self.host, headers=headers,
-                                 timeout=httpx.Timeout(SCENARIO.timeout_s, connect=10))  # fmt: skip
+        self.http = httpx.Client(
+            base_url=self.host, headers=headers, timeout=httpx.Timeout(SCENARIO.timeout_s, connect=10)
+        )
         rng = random.Random()
         self.factories = [RequestFactory(r, rng) for r in SCENARIO.requests]
         self.weights = [r.weight for r in SCENARIO.requests]

@@ -38,13 +38,12 @@ class Preset:
 
 PRESETS = {
     # head_dim 32: vLLM's CPU attention rejects head_dim 16.
-    "tiny": Preset(hidden=128, layers=2, heads=4, intermediate=512, vocab=128, max_positions=1024,
-                   dtype="float32"),  # fmt: skip
-    "small": Preset(hidden=512, layers=8, heads=8, intermediate=1536, vocab=4096, max_positions=2048,
-                    dtype="float32"),  # fmt: skip
+    "tiny": Preset(hidden=128, layers=2, heads=4, intermediate=512, vocab=128, max_positions=1024, dtype="float32"),
+    "small": Preset(hidden=512, layers=8, heads=8, intermediate=1536, vocab=4096, max_positions=2048, dtype="float32"),
     # ~0.95B parameters (TinyLlama-like width, 16 layers, full MHA): for the GPU benchmark.
-    "1b": Preset(hidden=2048, layers=16, heads=32, intermediate=5632, vocab=32000, max_positions=4096,
-                 dtype="bfloat16"),  # fmt: skip
+    "1b": Preset(
+        hidden=2048, layers=16, heads=32, intermediate=5632, vocab=32000, max_positions=4096, dtype="bfloat16"
+    ),
 }
 
 
@@ -64,10 +63,15 @@ def build_tokenizer(vocab_size: int, max_length: int):  # -> PreTrainedTokenizer
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-        unk_token="<unk>", model_max_length=max_length, chat_template=CHAT_TEMPLATE,
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=max_length,
+        chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
-    )  # fmt: skip
+    )
 
 
 def build_model(out: str | Path, preset: str = "tiny", max_positions: int | None = None, seed: int = 0) -> Path:
@@ -84,11 +88,18 @@ def build_model(out: str | Path, preset: str = "tiny", max_positions: int | None
     torch.manual_seed(seed)
     tok = build_tokenizer(p.vocab, positions)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=p.hidden, intermediate_size=p.intermediate,
-        num_hidden_layers=p.layers, num_attention_heads=p.heads, num_key_value_heads=p.heads,
-        max_position_embeddings=positions, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=p.hidden,
+        intermediate_size=p.intermediate,
+        num_hidden_layers=p.layers,
+        num_attention_heads=p.heads,
+        num_key_value_heads=p.heads,
+        max_position_embeddings=positions,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
     dtype = getattr(torch, p.dtype)
     with torch.device("cpu"):
         model = LlamaForCausalLM(config).to(dtype)

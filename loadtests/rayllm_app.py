@@ -33,10 +33,19 @@ def main(argv: list[str] | None = None) -> None:
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
 
-    env_vars = {k: os.environ[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-                if k in os.environ}  # fmt: skip
-    ray.init(address="local", num_cpus=a.num_cpus, include_dashboard=False, _temp_dir=a.temp_dir,
-             runtime_env={"env_vars": env_vars}, log_to_driver=False)  # fmt: skip
+    env_vars = {
+        k: os.environ[k]
+        for k in ("VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+        if k in os.environ
+    }
+    ray.init(
+        address="local",
+        num_cpus=a.num_cpus,
+        include_dashboard=False,
+        _temp_dir=a.temp_dir,
+        runtime_env={"env_vars": env_vars},
+        log_to_driver=False,
+    )
     stop = threading.Event()  # handlers after ray.init, which installs its own
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

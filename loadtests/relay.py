@@ -39,14 +39,21 @@ def replica(port: int, chunks: int) -> None:
     import uvloop
 
     def event(i: int) -> bytes:
-        body = {"id": "cmpl-0123456789abcdef0123456789abcdef", "object": "text_completion", "created": 1,
-                "model": "m", "choices": [{"index": 0, "text": f" tok{i}", "logprobs": None,
-                                           "finish_reason": None, "stop_reason": None}], "usage": None}  # fmt: skip
+        body = {
+            "id": "cmpl-0123456789abcdef0123456789abcdef",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "text": f" tok{i}", "logprobs": None, "finish_reason": None, "stop_reason": None}],
+            "usage": None,
+        }
         return _chunk(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
 
     events = [event(i) for i in range(chunks)]
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":16,"completion_tokens":%d,"total_tokens":%d}}\n\n' % (
-        chunks, chunks + 16)
+        chunks,
+        chunks + 16,
+    )
     tail = _chunk(usage) + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -59,10 +66,10 @@ def replica(port: int, chunks: int) -> None:
             while (end := self.buf.find(b"\r\n\r\n")) >= 0:
                 headers = self.buf[:end].lower()
                 at = headers.find(b"content-length:")
-                size = int(headers[at + 15:].split(b"\r\n")[0]) if at >= 0 else 0
+                size = int(headers[at + 15 :].split(b"\r\n")[0]) if at >= 0 else 0
                 if len(self.buf) < end + 4 + size:
                     return
-                self.buf = self.buf[end + 4 + size:]
+                self.buf = self.buf[end + 4 + size :]
                 asyncio.ensure_future(self.answer())
 
         async def answer(self) -> None:
@@ -117,8 +124,14 @@ def gateway(port: int, upstream: str) -> None:
     async def serve() -> None:
         leases = OneReplica(upstream)
         core = GatewayCore(GatewaySettings(), leases)
-        core.reconfigure({"auth": {"mode": "open"}, "models": [
-            {"name": "m", "max_model_len": 1024, "versions": [{"version": "v1", "weight": 100, "app": "m"}]}]})
+        core.reconfigure(
+            {
+                "auth": {"mode": "open"},
+                "models": [
+                    {"name": "m", "max_model_len": 1024, "versions": [{"version": "v1", "weight": 100, "app": "m"}]}
+                ],
+            }
+        )
         await DirectListener(create_api(core), "127.0.0.1", port).start()
         await asyncio.Event().wait()
 
@@ -152,8 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     from serving.models.server import free_port
 
     replica_port, gateway_port = free_port(), free_port()
-    me = [sys.executable, str(Path(__file__).resolve()), "--chunks", str(args.chunks), "--code", str(code),
-          "--ports", str(replica_port), str(gateway_port), "--role"]  # fmt: skip
+    me = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--chunks",
+        str(args.chunks),
+        "--code",
+        str(code),
+        "--ports",
+        str(replica_port),
+        str(gateway_port),
+        "--role",
+    ]
     procs = [subprocess.Popen([*me, "replica"]), subprocess.Popen([*me, "gateway"])]
     try:
         gw = procs[1].pid
@@ -171,8 +194,11 @@ def main(argv: list[str] | None = None) -> int:
             wall, cpu = time.monotonic() - t0, cpu_seconds(gw) - cpu0
             served = r.requests_per_s * wall
             per_req = cpu / served * 1e3 if served else float("nan")
-            print(f"  {r.requests_per_s:7.1f} req/s  failures {r.failures}  gateway {cpu / wall:.2f} cores  "
-                  f"{per_req:.2f} ms CPU/request  TTFT p50 {r.ttft_p50_ms:.1f} ms", flush=True)  # fmt: skip
+            print(
+                f"  {r.requests_per_s:7.1f} req/s  failures {r.failures}  gateway {cpu / wall:.2f} cores  "
+                f"{per_req:.2f} ms CPU/request  TTFT p50 {r.ttft_p50_ms:.1f} ms",
+                flush=True,
+            )
     finally:
         for proc in procs:
             proc.terminate()

@@ -60,8 +60,9 @@ def history_series(rows: list[dict[str, str]]) -> dict[str, list[tuple[float, fl
 
 def _smooth(pts: list[tuple[float, float | None]], k: int) -> list[tuple[float, float | None]]:
     vals = [v or 0.0 for _, v in pts]
-    return [(t, sum(vals[max(0, i - k + 1): i + 1]) / len(vals[max(0, i - k + 1): i + 1]))
-            for i, (t, _) in enumerate(pts)]  # fmt: skip
+    return [
+        (t, sum(vals[max(0, i - k + 1) : i + 1]) / len(vals[max(0, i - k + 1) : i + 1])) for i, (t, _) in enumerate(pts)
+    ]
 
 
 def plot_history(out_dir: str | Path, title: str, png: str | Path) -> Path:

@@ -32,8 +32,9 @@ PNG = "latency_throughput.png"
 REPORT_FILES = (f"{CSV_PREFIX}_stats.csv", f"{CSV_PREFIX}_stats_history.csv", "report.html", PNG, "summary.json")
 
 
-def _locust_env(scenario: Path | str, duration_s: float | None, api_key: str | None,
-                model: str | None) -> dict[str, str]:  # fmt: skip
+def _locust_env(
+    scenario: Path | str, duration_s: float | None, api_key: str | None, model: str | None
+) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     path = Path(scenario)  # a file path must survive Locust's other working directory
@@ -45,8 +46,15 @@ def _locust_env(scenario: Path | str, duration_s: float | None, api_key: str | N
     return env
 
 
-def run_scenario(scenario: str, base_url: str, out_dir: Path, api_key: str | None,
-                 duration_s: float | None, model: str | None = None, log=print) -> int:  # fmt: skip
+def run_scenario(
+    scenario: str,
+    base_url: str,
+    out_dir: Path,
+    api_key: str | None,
+    duration_s: float | None,
+    model: str | None = None,
+    log=print,
+) -> int:
     """Run ``scenario`` (name or path) against ``base_url``; write reports to ``out_dir``.
 
     ``duration_s`` stretches or shrinks the scenario's load shape to that total length; ``model``
@@ -60,18 +68,36 @@ def run_scenario(scenario: str, base_url: str, out_dir: Path, api_key: str | Non
     out_dir = Path(out_dir).resolve()  # Locust runs in the repository root
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-        "--host", base_url.rstrip("/"),
-        "--csv", str(out_dir / CSV_PREFIX), "--csv-full-history",
-        "--html", str(out_dir / "report.html"),
-        "--stop-timeout", str(int(sc.timeout_s)),
-        "--loglevel", "WARNING", "--only-summary",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "--host",
+        base_url.rstrip("/"),
+        "--csv",
+        str(out_dir / CSV_PREFIX),
+        "--csv-full-history",
+        "--html",
+        str(out_dir / "report.html"),
+        "--stop-timeout",
+        str(int(sc.timeout_s)),
+        "--loglevel",
+        "WARNING",
+        "--only-summary",
+    ]
     log(f"running scenario {sc.name!r} for {sc.duration_s:.0f}s against {base_url} -> {out_dir}")
     started = time.monotonic()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_locust_env(scenario, duration_s, api_key, model),
-                              capture_output=True, text=True, timeout=sc.duration_s + sc.timeout_s + 120)  # fmt: skip
+        proc = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env=_locust_env(scenario, duration_s, api_key, model),
+            capture_output=True,
+            text=True,
+            timeout=sc.duration_s + sc.timeout_s + 120,
+        )
     except subprocess.TimeoutExpired:
         log("locust did not finish in time")
         return 2
@@ -84,19 +110,23 @@ def run_scenario(scenario: str, base_url: str, out_dir: Path, api_key: str | Non
     code = exit_code(checks)
     plot_history(out_dir, f"{sc.name} against {base_url}", out_dir / PNG)
     summary = {
-        "scenario": sc.name, "base_url": base_url, "duration_s": sc.duration_s,
-        "wall_s": round(time.monotonic() - started, 1), "results": results.as_dict(),
+        "scenario": sc.name,
+        "base_url": base_url,
+        "duration_s": sc.duration_s,
+        "wall_s": round(time.monotonic() - started, 1),
+        "results": results.as_dict(),
         "checks": [{"name": c.name, "value": c.value, "limit": c.limit, "ok": c.ok} for c in checks],
         "exit_code": code,
-    }  # fmt: skip
+    }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(format_summary(sc.name, results, checks))
     return code
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m loadtests.run", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m loadtests.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--scenario", help=f"name ({', '.join(scenario_names())}) or path")
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
     ap.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the key")
@@ -110,8 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:16} {load_scenario(name).description}")
         sys.exit(0 if a.list else 2)
     out = a.out or Path("reports") / f"{Path(a.scenario).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    sys.exit(run_scenario(a.scenario, a.base_url, out, os.environ.get(a.api_key_env) or None,
-                          a.duration, a.model))  # fmt: skip
+    sys.exit(run_scenario(a.scenario, a.base_url, out, os.environ.get(a.api_key_env) or None, a.duration, a.model))
 
 
 if __name__ == "__main__":

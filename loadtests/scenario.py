@@ -16,9 +16,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from serving.config import read_yaml, validation_message
 
 __all__ = [
-    "SCENARIO_DIR", "RequestSpec", "SLO", "Scenario", "ScenarioError", "SharedPrefix", "Stage",
-    "load_scenario", "scenario_names",
-]  # fmt: skip
+    "SCENARIO_DIR",
+    "RequestSpec",
+    "SLO",
+    "Scenario",
+    "ScenarioError",
+    "SharedPrefix",
+    "Stage",
+    "load_scenario",
+    "scenario_names",
+]
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 

@@ -75,24 +75,34 @@ class BenchModel:
         """The same arguments as ``vllm_command`` passes, for ``LLMConfig.engine_kwargs``."""
         e = self.engine
         kw: dict[str, Any] = {
-            "dtype": e.dtype, "max_model_len": e.max_model_len, "max_num_seqs": e.max_num_seqs,
-            "tensor_parallel_size": e.tensor_parallel_size, "enable_prefix_caching": e.enable_prefix_caching,
+            "dtype": e.dtype,
+            "max_model_len": e.max_model_len,
+            "max_num_seqs": e.max_num_seqs,
+            "tensor_parallel_size": e.tensor_parallel_size,
+            "enable_prefix_caching": e.enable_prefix_caching,
             "seed": e.seed,
-        }  # fmt: skip
+        }
         if self.use_gpu:
             kw["gpu_memory_utilization"] = e.gpu_memory_utilization
         kw.update({k.replace("-", "_"): v for k, v in e.extra_args.items()})
         return kw
 
     def spec(self) -> EngineSpec:
-        return EngineSpec(model=self.name, version="v1", path=self.path, engine=self.engine,
-                          use_gpu=self.use_gpu, gpus_per_rank=1.0 if self.use_gpu else 0.0)  # fmt: skip
+        return EngineSpec(
+            model=self.name,
+            version="v1",
+            path=self.path,
+            engine=self.engine,
+            use_gpu=self.use_gpu,
+            gpus_per_rank=1.0 if self.use_gpu else 0.0,
+        )
 
 
 def _base_env(ha: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in HA_ENV and k != "RAY_ADDRESS"}
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
+    env.update(
+        {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return {**env, **HA_ENV} if ha else env
 
@@ -192,8 +202,13 @@ class Server:
     def stop(self) -> None:
         if self.kind.startswith("ours"):
             if self.config_path is not None:
-                subprocess.run([_serving_bin(), "down", "-c", str(self.config_path)], cwd=ROOT,
-                               env=_base_env(self.ha), timeout=300, check=False)  # fmt: skip
+                subprocess.run(
+                    [_serving_bin(), "down", "-c", str(self.config_path)],
+                    cwd=ROOT,
+                    env=_base_env(self.ha),
+                    timeout=300,
+                    check=False,
+                )
         elif self.proc is not None:
             stop_session(self.proc)
         if self.temp_dir:
@@ -217,24 +232,41 @@ class Server:
         self.api_key = secrets.token_urlsafe(16)
         cmd = [sys.executable, *vllm_command(spec, "127.0.0.1", self.port, self.api_key)]
         with self._log() as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(cmd, env={**_base_env(False), **vllm_env(spec)}, stdout=log, stderr=log,
-                                         start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                cmd, env={**_base_env(False), **vllm_env(spec)}, stdout=log, stderr=log, start_new_session=True
+            )
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def _start_rayllm(self, timeout_s: float) -> None:
         import json
 
         spec = self.model.spec()
-        cmd = [sys.executable, "-m", "loadtests.rayllm_app", "--model-dir", self.model.path,
-               "--model-id", self.model.name, "--port", str(self.port),
-               "--engine", json.dumps(self.model.engine_kwargs())]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "loadtests.rayllm_app",
+            "--model-dir",
+            self.model.path,
+            "--model-id",
+            self.model.name,
+            "--port",
+            str(self.port),
+            "--engine",
+            json.dumps(self.model.engine_kwargs()),
+        ]
         self.temp_dir = f"/tmp/rb-{secrets.token_hex(3)}"
         cmd += ["--temp-dir", self.temp_dir]
         if self.model.use_gpu:
             cmd.append("--gpu")
         with self._log() as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**_base_env(self.ha), **vllm_env(spec)},
-                                         stdout=log, stderr=log, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env={**_base_env(self.ha), **vllm_env(spec)},
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def _start_ours(self, timeout_s: float) -> None:
@@ -246,8 +278,9 @@ class Server:
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [_serving_bin(), "up", "-c", str(self.config_path), "--timeout", str(int(timeout_s))]
         with self._log() as log:
-            done = subprocess.run(cmd, cwd=ROOT, env=_base_env(self.ha), stdout=log, stderr=log,
-                                  timeout=timeout_s + 120)  # fmt: skip
+            done = subprocess.run(
+                cmd, cwd=ROOT, env=_base_env(self.ha), stdout=log, stderr=log, timeout=timeout_s + 120
+            )
         if done.returncode != 0:
             raise RuntimeError(f"serving up failed ({done.returncode}); see {self.log_dir / (self.kind + '.log')}")
 
@@ -256,8 +289,12 @@ def wait_gpu_released(timeout_s: float = 180) -> None:
     """Until no process holds GPU memory (the next server needs all of it); engines exit late."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=False).stdout  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
         if not out.strip():
             return
         time.sleep(3)
@@ -268,30 +305,55 @@ def _serving_bin() -> str:
     return str(Path(sys.executable).with_name("serving"))
 
 
-def our_stack_config(model: BenchModel, port: int, replicas: int = 1, router: str = "power_of_two",
-                     ingress: str = "direct", replica_routing: str = "direct", name: str = "bench",
-                     gcs_port: int = 6393, dashboard_port: int = 8278,
-                     metrics_export_port: int = 8088) -> dict[str, Any]:  # fmt: skip
+def our_stack_config(
+    model: BenchModel,
+    port: int,
+    replicas: int = 1,
+    router: str = "power_of_two",
+    ingress: str = "direct",
+    replica_routing: str = "direct",
+    name: str = "bench",
+    gcs_port: int = 6393,
+    dashboard_port: int = 8278,
+    metrics_export_port: int = 8088,
+) -> dict[str, Any]:
     """A stack config serving only ``model`` (auth open), on ports apart from the default stacks."""
     return {
         "name": name,
-        "gateway": {"host": "127.0.0.1", "port": port, "num_replicas": 1, "ingress": ingress,
-                    "replica_routing": replica_routing},
-        "local_ray": {"gcs_port": gcs_port, "dashboard_port": dashboard_port,
-                      "metrics_export_port": metrics_export_port, "num_cpus": 8},  # fmt: skip
+        "gateway": {
+            "host": "127.0.0.1",
+            "port": port,
+            "num_replicas": 1,
+            "ingress": ingress,
+            "replica_routing": replica_routing,
+        },
+        "local_ray": {
+            "gcs_port": gcs_port,
+            "dashboard_port": dashboard_port,
+            "metrics_export_port": metrics_export_port,
+            "num_cpus": 8,
+        },
         "auth": {"mode": "open"},
-        "models": [{
-            "name": model.name,
-            "versions": [{"version": "v1", "path": model.path}],
-            "engine": model.engine.model_dump(mode="json"),
-            "deployment": {"num_replicas": replicas, "max_ongoing_requests": 256, "max_queued_requests": 1024,
-                           "router": router, "gpus_per_rank": 1.0 if model.use_gpu else 0.0},
-        }],
-    }  # fmt: skip
+        "models": [
+            {
+                "name": model.name,
+                "versions": [{"version": "v1", "path": model.path}],
+                "engine": model.engine.model_dump(mode="json"),
+                "deployment": {
+                    "num_replicas": replicas,
+                    "max_ongoing_requests": 256,
+                    "max_queued_requests": 1024,
+                    "router": router,
+                    "gpus_per_rank": 1.0 if model.use_gpu else 0.0,
+                },
+            }
+        ],
+    }
 
 
-def wait_serving(base_url: str, api_key: str | None, model: str, timeout_s: float,
-                 proc: subprocess.Popen[bytes] | None = None) -> None:  # fmt: skip
+def wait_serving(
+    base_url: str, api_key: str | None, model: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     """Until one small completion succeeds (an engine can list models before it can generate)."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     body = {"model": model, "prompt": "hello", "max_tokens": 2}

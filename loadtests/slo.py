@@ -90,8 +90,9 @@ def evaluate(r: Results, slo: SLO) -> list[Check]:
         if limit is not None:
             checks.append(Check(name, value, limit, value is not None and value <= limit))
     if slo.min_tokens_per_s is not None:
-        checks.append(Check("tokens_per_s", r.tokens_per_s, slo.min_tokens_per_s,
-                            r.tokens_per_s >= slo.min_tokens_per_s))  # fmt: skip
+        checks.append(
+            Check("tokens_per_s", r.tokens_per_s, slo.min_tokens_per_s, r.tokens_per_s >= slo.min_tokens_per_s)
+        )
     return checks
 
 

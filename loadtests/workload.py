@@ -48,8 +48,9 @@ class RequestFactory:
 
     def user_text(self) -> str:
         r = self.rng
-        return self.spec.prompt.format(a=r.randint(10, 99), b=r.randint(10, 99),
-                                       text=random_text(r, self.spec.user_chars))  # fmt: skip
+        return self.spec.prompt.format(
+            a=r.randint(10, 99), b=r.randint(10, 99), text=random_text(r, self.spec.user_chars)
+        )
 
     def body(self) -> dict[str, Any]:
         s = self.spec
@@ -143,5 +144,9 @@ def outcome_of_body(status: int, body: bytes, started: float, now: float) -> Out
         msg = err.get("message") if isinstance(err, dict) else body[:120].decode("utf-8", "replace")
         return Outcome(False, now - started, error=f"HTTP {status}: {msg}"[:200])
     usage = obj.get("usage") or {}
-    return Outcome(True, now - started, int(usage.get("completion_tokens") or 0),
-                   prompt_tokens=int(usage.get("prompt_tokens") or 0))  # fmt: skip
+    return Outcome(
+        True,
+        now - started,
+        int(usage.get("completion_tokens") or 0),
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+    )

@@ -51,8 +51,7 @@ def routing_user_config(cfg: StackConfig) -> dict[str, Any]:
                 "shed_low_priority_at": _shed_at(m),
                 "max_ongoing_requests": m.deployment.max_ongoing_requests,
                 "versions": [
-                    {"version": v.version, "weight": v.weight, "app": app_name(m.name, v.version)}
-                    for v in m.versions
+                    {"version": v.version, "weight": v.weight, "app": app_name(m.name, v.version)} for v in m.versions
                 ],
             }
             for m in cfg.models
@@ -155,8 +154,11 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
         "deployments": [
             {
                 "name": "Gateway",
-                **({"autoscaling_config": _autoscaling(g.autoscaling)} if g.autoscaling
-                   else {"num_replicas": g.num_replicas}),  # fmt: skip
+                **(
+                    {"autoscaling_config": _autoscaling(g.autoscaling)}
+                    if g.autoscaling
+                    else {"num_replicas": g.num_replicas}
+                ),
                 "max_ongoing_requests": 1000,
                 "ray_actor_options": {"num_cpus": g.num_cpus},
                 "user_config": routing_user_config(cfg),

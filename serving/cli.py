@@ -130,7 +130,9 @@ def promote(
     config: Path = ConfigOpt,
     steps: str = typer.Option("10,50,100", help="Traffic percentages for the new version."),
     step_seconds: float = typer.Option(30, help="How long each step is watched."),
-    max_ttft_ratio: float = typer.Option(2.0, help="Roll back when the new version's mean TTFT exceeds the live one's times this (plus 50 ms)."),
+    max_ttft_ratio: float = typer.Option(
+        2.0, help="Roll back when the new version's mean TTFT exceeds the live one's times this (plus 50 ms)."
+    ),
     api_key_env: str = typer.Option("", help="Env var with an API key for warm-up requests."),
 ) -> None:
     """Verify, deploy beside the live version, warm up, shift traffic in steps under SLO watch,
@@ -143,13 +145,23 @@ def promote(
 
     cfg = _load(config)
     state, deployer = _running(cfg, config)
-    policy = SloPolicy(steps=tuple(int(x) for x in steps.split(",")), step_seconds=step_seconds,
-                       max_ttft_ratio=max_ttft_ratio)
+    policy = SloPolicy(
+        steps=tuple(int(x) for x in steps.split(",")), step_seconds=step_seconds, max_ttft_ratio=max_ttft_ratio
+    )
     headers = {"authorization": f"Bearer {os.environ[api_key_env]}"} if api_key_env else {}
     try:
-        result = run_promotion(cfg, model, version, store=_store(cfg, config), deployer=deployer,  # type: ignore[arg-type]
-                               routes_file=routes_path(RUN_DIR, cfg.name), base_url=state.base_url,  # type: ignore[attr-defined]
-                               policy=policy, headers=headers, log=console.print)  # fmt: skip
+        result = run_promotion(
+            cfg,
+            model,
+            version,
+            store=_store(cfg, config),
+            deployer=deployer,  # type: ignore[arg-type]
+            routes_file=routes_path(RUN_DIR, cfg.name),
+            base_url=state.base_url,  # type: ignore[attr-defined]
+            policy=policy,
+            headers=headers,
+            log=console.print,
+        )
     except (PromotionError, KeyError) as exc:
         console.print(f"promotion refused: {exc}", style="red", markup=False)
         raise typer.Exit(2) from None
@@ -187,8 +199,10 @@ def versions(model: str = typer.Argument(...), config: Path = ConfigOpt) -> None
     live = {v.version: v.weight for v in cfg.model(model).versions}
     for v in store.list_versions(model):  # type: ignore[attr-defined]
         man = store.manifest(model, v)  # type: ignore[attr-defined]
-        print(f"{v:10} task={man.task:4} exact_match={man.eval.exact_match:.3f} "
-              f"steps={man.steps:5} traffic={live.get(v, 0)}%")  # fmt: skip
+        print(
+            f"{v:10} task={man.task:4} exact_match={man.eval.exact_match:.3f} "
+            f"steps={man.steps:5} traffic={live.get(v, 0)}%"
+        )
 
 
 @app.command("render-k8s")
@@ -221,7 +235,7 @@ def keys_new(tenant: str = typer.Option(..., "--tenant", help="Tenant the key is
 
     key = new_key()
     print(f"api key (give to the client, shown once): {key}")
-    print(f"config line for tenant {tenant!r}:  key_hashes: [\"{hash_key(key)}\"]")
+    print(f'config line for tenant {tenant!r}:  key_hashes: ["{hash_key(key)}"]')
 
 
 @keys_app.command("hash")

@@ -38,6 +38,8 @@ def _check_name(v: str) -> str:
     if not NAME_RE.match(v):
         raise ValueError("name must be 1-40 chars of lower-case letters, digits and '-'")
     return v
+
+
 VERSION_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,30}$")
 
 
@@ -56,15 +58,15 @@ class EngineConfig(_Strict):
     """vLLM engine arguments for one model. Known fields are typed; the rest go in ``extra_args``."""
 
     max_model_len: int = Field(256, ge=8, description="Context length (prompt + completion tokens).")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights and activations dtype.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations dtype."
+    )
     max_num_seqs: int = Field(64, ge=1, description="Sequences batched at once per replica.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Ranks per replica that split each layer.")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Pipeline stages per replica.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV cache of shared prompt prefixes.")
     seed: int = Field(0, description="Engine seed (requests may set their own `seed`).")
-    kv_cache_space_gib: int = Field(
-        1, ge=1, description="CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
-    )
+    kv_cache_space_gib: int = Field(1, ge=1, description="CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU only.")
     pin_cores: bool = Field(
         True,
@@ -139,9 +141,7 @@ class ModelVersion(_Strict):
     """One servable version of a model: its weights and its share of the model's traffic."""
 
     version: str = Field(description="Version name (a folder of the checkpoint store).")
-    path: str | None = Field(
-        None, description="Checkpoint directory; default <checkpoint_root>/<model>/<version>."
-    )
+    path: str | None = Field(None, description="Checkpoint directory; default <checkpoint_root>/<model>/<version>.")
     weight: int = Field(100, ge=0, le=100, description="Percent of the bare model name's traffic.")
     recipe: TrainRecipe | None = Field(None, description="Train this version if it is missing.")
 
@@ -199,9 +199,11 @@ class GatewayConfig(_Strict):
         "per token; serve_proxy: Ray Serve's HTTP proxy serves `port` (slower, docs/performance.md).",
     )
     proxy_port: int | None = Field(
-        None, ge=1, le=65535,
+        None,
+        ge=1,
+        le=65535,
         description="Port of Ray Serve's own HTTP proxy when ingress is direct (health only); default port+1.",
-    )  # fmt: skip
+    )
     replica_routing: Literal["direct", "serve"] = Field(
         "direct",
         description="direct: the gateway picks model replicas itself from their published endpoints "
@@ -298,14 +300,14 @@ class LocalRayConfig(_Strict):
     metrics_export_port: int = Field(
         8080, ge=1024, le=65535, description="Ray's Prometheus endpoint (all stack metrics)."
     )
-    num_cpus: int = Field(
-        8, ge=1, description="Logical CPUs Ray may schedule (more than cores: see ENVIRONMENT.md)."
-    )
+    num_cpus: int = Field(8, ge=1, description="Logical CPUs Ray may schedule (more than cores: see ENVIRONMENT.md).")
     serve_control_loop_s: float = Field(
-        0.1, gt=0, le=5,
+        0.1,
+        gt=0,
+        le=5,
         description="Serve controller's reconcile period (Ray's default; 0.5 cuts Ray's idle CPU ~20% but "
         "config changes reach the gateway later, docs/performance.md).",
-    )  # fmt: skip
+    )
 
 
 class StackConfig(_Strict):

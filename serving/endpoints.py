@@ -28,8 +28,19 @@ from typing import Protocol
 
 logger = logging.getLogger("serving.endpoints")
 
-__all__ = ["HEARTBEAT_S", "REFRESH_S", "STALE_S", "DirectLease", "EndpointTable", "KV", "RayKV", "Record",
-           "publish", "read_records", "withdraw"]  # fmt: skip
+__all__ = [
+    "HEARTBEAT_S",
+    "REFRESH_S",
+    "STALE_S",
+    "DirectLease",
+    "EndpointTable",
+    "KV",
+    "RayKV",
+    "Record",
+    "publish",
+    "read_records",
+    "withdraw",
+]
 
 NAMESPACE = "raystack"
 PREFIX = "ep/"

@@ -96,9 +96,7 @@ class InternalError(GatewayError):
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
-    return msgspec.json.encode(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    )
+    return msgspec.json.encode({"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
 @dataclass(frozen=True)
@@ -114,9 +112,7 @@ def to_response(exc: BaseException, request_id: str) -> ErrorResponse:
         message = exc.message
         if exc.status >= 500:
             message = f"{message} (request id {request_id})"
-        return ErrorResponse(
-            exc.status, error_body(message, exc.type, exc.param, exc.code), dict(exc.headers)
-        )
+        return ErrorResponse(exc.status, error_body(message, exc.type, exc.param, exc.code), dict(exc.headers))
     return ErrorResponse(
         500,
         error_body(f"internal error (request id {request_id})", "server_error", None, None),

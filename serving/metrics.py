@@ -30,27 +30,38 @@ class GatewayMetrics:
         from ray.util import metrics as m
 
         keys = REQ_KEYS
-        self.requests = m.Counter("raystack_requests", "Requests answered by the gateway.",
-                                  tag_keys=(*keys, "status_class"))  # fmt: skip
-        self.ttft = m.Histogram("raystack_time_to_first_token_seconds",
-                                "Time from request arrival to the first streamed byte.",
-                                boundaries=TTFT_BUCKETS, tag_keys=keys)  # fmt: skip
-        self.itl = m.Histogram("raystack_inter_token_latency_seconds",
-                               "Mean time between output tokens of a streamed response.",
-                               boundaries=ITL_BUCKETS, tag_keys=keys)  # fmt: skip
-        self.e2e = m.Histogram("raystack_request_latency_seconds", "End-to-end request latency.",
-                               boundaries=E2E_BUCKETS, tag_keys=keys)  # fmt: skip
+        self.requests = m.Counter(
+            "raystack_requests", "Requests answered by the gateway.", tag_keys=(*keys, "status_class")
+        )
+        self.ttft = m.Histogram(
+            "raystack_time_to_first_token_seconds",
+            "Time from request arrival to the first streamed byte.",
+            boundaries=TTFT_BUCKETS,
+            tag_keys=keys,
+        )
+        self.itl = m.Histogram(
+            "raystack_inter_token_latency_seconds",
+            "Mean time between output tokens of a streamed response.",
+            boundaries=ITL_BUCKETS,
+            tag_keys=keys,
+        )
+        self.e2e = m.Histogram(
+            "raystack_request_latency_seconds", "End-to-end request latency.", boundaries=E2E_BUCKETS, tag_keys=keys
+        )
         self.prompt_tokens = m.Counter("raystack_prompt_tokens", "Prompt tokens processed.", tag_keys=keys)
-        self.completion_tokens = m.Counter("raystack_completion_tokens", "Completion tokens generated.",
-                                           tag_keys=keys)  # fmt: skip
-        self.in_flight = m.Gauge("raystack_in_flight_requests", "Requests in flight at this gateway.",
-                                 tag_keys=("model", "kind"))  # fmt: skip
-        self.rate_limited = m.Counter("raystack_rate_limited", "Requests refused by a tenant limit.",
-                                      tag_keys=("tenant", "limit"))  # fmt: skip
-        self.shed = m.Counter("raystack_shed", "Requests refused because a model's queue was full.",
-                              tag_keys=("model", "tenant"))  # fmt: skip
-        self.retries = m.Counter("raystack_retries", "Requests retried on another replica.",
-                                 tag_keys=("model", "version"))  # fmt: skip
+        self.completion_tokens = m.Counter("raystack_completion_tokens", "Completion tokens generated.", tag_keys=keys)
+        self.in_flight = m.Gauge(
+            "raystack_in_flight_requests", "Requests in flight at this gateway.", tag_keys=("model", "kind")
+        )
+        self.rate_limited = m.Counter(
+            "raystack_rate_limited", "Requests refused by a tenant limit.", tag_keys=("tenant", "limit")
+        )
+        self.shed = m.Counter(
+            "raystack_shed", "Requests refused because a model's queue was full.", tag_keys=("model", "tenant")
+        )
+        self.retries = m.Counter(
+            "raystack_retries", "Requests retried on another replica.", tag_keys=("model", "version")
+        )
 
     def tags(self, model: str, version: str, tenant: str) -> dict[str, str]:
         return {"model": model, "version": version, "tenant": tenant}
@@ -73,7 +84,7 @@ class EngineMetrics:
             "kv_cache": m.Gauge("raystack_engine_kv_cache_usage_ratio", "vLLM KV-cache use (0-1).", tag_keys=keys),
             "running": m.Gauge("raystack_engine_requests_running", "Sequences running in vLLM.", tag_keys=keys),
             "waiting": m.Gauge("raystack_engine_requests_waiting", "Sequences queued in vLLM.", tag_keys=keys),
-        }  # fmt: skip
+        }
 
     def set(self, values: dict[str, float], tags: dict[str, str]) -> None:
         for name, value in values.items():

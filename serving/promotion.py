@@ -65,8 +65,12 @@ class VersionStats:
     ttft_count: float = 0.0
 
     def minus(self, other: VersionStats) -> VersionStats:
-        return VersionStats(self.requests - other.requests, self.errors - other.errors,
-                            self.ttft_sum - other.ttft_sum, self.ttft_count - other.ttft_count)  # fmt: skip
+        return VersionStats(
+            self.requests - other.requests,
+            self.errors - other.errors,
+            self.ttft_sum - other.ttft_sum,
+            self.ttft_count - other.ttft_count,
+        )
 
     @property
     def error_rate(self) -> float:
@@ -105,9 +109,10 @@ def apply_routes(cfg: StackConfig, path: Path) -> StackConfig:
             known = {v.version: v for v in m.versions}
             versions = [
                 known[r["version"]].model_copy(update={"weight": r["weight"]})
-                if r["version"] in known else ModelVersion(version=r["version"], weight=r["weight"])
+                if r["version"] in known
+                else ModelVersion(version=r["version"], weight=r["weight"])
                 for r in routes[m.name]
-            ]  # fmt: skip
+            ]
             m = m.model_copy(update={"versions": versions})
         models.append(m)
     return StackConfig.model_validate({**cfg.model_dump(), "models": [x.model_dump() for x in models]})
@@ -116,8 +121,10 @@ def apply_routes(cfg: StackConfig, path: Path) -> StackConfig:
 def _with_versions(cfg: StackConfig, model: str, versions: list[tuple[str, int]]) -> StackConfig:
     m = cfg.model(model)
     known = {v.version: v for v in m.versions}
-    new = [known[v].model_copy(update={"weight": w}) if v in known else ModelVersion(version=v, weight=w)
-           for v, w in versions]  # fmt: skip
+    new = [
+        known[v].model_copy(update={"weight": w}) if v in known else ModelVersion(version=v, weight=w)
+        for v, w in versions
+    ]
     models = [(x.model_copy(update={"versions": new}) if x.name == model else x).model_dump() for x in cfg.models]
     return StackConfig.model_validate({**cfg.model_dump(), "models": models})
 
@@ -233,8 +240,7 @@ def promote(
         result.status, result.reason = "refused", str(exc)
         note(f"refused: {exc}")
         return result
-    note(f"verified {model}@{version}: exact match {manifest.eval.exact_match:.3f}, "
-         f"{len(manifest.files)} files hashed")  # fmt: skip
+    note(f"verified {model}@{version}: exact match {manifest.eval.exact_match:.3f}, {len(manifest.files)} files hashed")
     stable = _with_versions(cfg, model, [(live, 100)])
     current = _with_versions(cfg, model, [(live, 100), (version, 0)])
     try:
@@ -268,8 +274,16 @@ def promote(
     return result
 
 
-def _watch(deployer: Deployer, model: str, live: str, new: str, before: dict[str, VersionStats],
-           policy: SloPolicy, sleep: Callable[[float], None], weight: int) -> str | None:  # fmt: skip
+def _watch(
+    deployer: Deployer,
+    model: str,
+    live: str,
+    new: str,
+    before: dict[str, VersionStats],
+    policy: SloPolicy,
+    sleep: Callable[[float], None],
+    weight: int,
+) -> str | None:
     """Wait one step, then compare the step's deltas (up to 3 steps long if traffic is thin)."""
     for _ in range(3):
         sleep(policy.step_seconds)

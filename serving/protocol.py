@@ -112,8 +112,15 @@ def usage_of(body: bytes) -> dict[str, Any] | None:
 
 
 def _type_name(v: object) -> str:
-    return {str: "string", bool: "boolean", int: "integer", float: "number", list: "array",
-            dict: "object", type(None): "null"}.get(type(v), type(v).__name__)  # fmt: skip
+    return {
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        list: "array",
+        dict: "object",
+        type(None): "null",
+    }.get(type(v), type(v).__name__)
 
 
 def _check_types(body: dict[str, Any]) -> None:
@@ -151,21 +158,18 @@ def _check_messages(messages: object) -> None:
             raise InvalidRequest(f"'{where}' must be an object", param=where)
         role = m.get("role")
         if role not in ROLES:
-            raise InvalidRequest(
-                f"'{where}.role' must be one of {sorted(ROLES)}, got {role!r}", param=f"{where}.role"
-            )
+            raise InvalidRequest(f"'{where}.role' must be one of {sorted(ROLES)}, got {role!r}", param=f"{where}.role")
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
-            raise InvalidRequest(
-                f"'{where}.content' must be a string or an array of parts", param=f"{where}.content"
-            )
+            raise InvalidRequest(f"'{where}.content' must be a string or an array of parts", param=f"{where}.content")
 
 
 def _check_prompt(prompt: object) -> None:
     if prompt is None:
         raise InvalidRequest("'prompt' is a required property", param="prompt")
     ok = isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt
+        isinstance(prompt, list)
+        and prompt
         and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in prompt)
     )
     if not ok or prompt == "":

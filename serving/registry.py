@@ -225,9 +225,7 @@ class CheckpointStore:
         try:
             raw = self.fs.cat_file(f"{path}/{MANIFEST}")
         except FileNotFoundError:
-            raise IncompleteVersion(
-                f"{model}@{version} has no {MANIFEST} (an interrupted publish?)", **ids
-            ) from None
+            raise IncompleteVersion(f"{model}@{version} has no {MANIFEST} (an interrupted publish?)", **ids) from None
         try:
             manifest = Manifest.model_validate_json(raw)
         except ValidationError as exc:
@@ -266,9 +264,7 @@ class CheckpointStore:
         label = f"{manifest.model}@{manifest.version}"
         for rel, expected in sorted(manifest.files.items()):
             if rel not in present:
-                raise TamperedVersion(
-                    f"{label}: file {rel} is listed in the manifest but missing", **ids
-                )
+                raise TamperedVersion(f"{label}: file {rel} is listed in the manifest but missing", **ids)
             if digest(rel) != expected:
                 raise TamperedVersion(f"{label}: file {rel} does not match its sha256", **ids)
         extra = sorted(present - set(manifest.files) - {MANIFEST})
@@ -334,8 +330,7 @@ class CheckpointStore:
         if self.exists(model, version):
             where = self.uri(model, version)
             raise VersionExists(
-                f"{model}@{version} already exists at {where}; versions are immutable, "
-                "pick a new version name",
+                f"{model}@{version} already exists at {where}; versions are immutable, pick a new version name",
                 **ids,
             )
         files = hash_tree(local_dir)
@@ -354,9 +349,7 @@ class CheckpointStore:
                 self.fs.rm(tmp, recursive=True)
         return manifest
 
-    def _rename_into_place(
-        self, tmp: str, final: str, order: list[str], ids: dict[str, str]
-    ) -> None:
+    def _rename_into_place(self, tmp: str, final: str, order: list[str], ids: dict[str, str]) -> None:
         if self.is_local:
             try:
                 os.rename(tmp, final)  # atomic; fails if a non-empty `final` appeared meanwhile

@@ -27,9 +27,16 @@ from serving.config import LocalRayConfig, StackConfig
 from serving.models.engine import check_layout, pid_alive
 
 __all__ = [
-    "StackState", "deploy", "ensure_models", "serve_status", "start_ray", "stop_stack", "up",
-    "wait_http", "wait_running",
-]  # fmt: skip
+    "StackState",
+    "deploy",
+    "ensure_models",
+    "serve_status",
+    "start_ray",
+    "stop_stack",
+    "up",
+    "wait_http",
+    "wait_running",
+]
 
 RUN_DIR = Path(os.environ.get("SERVING_RUN_DIR", ".run"))
 
@@ -84,8 +91,15 @@ def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
                 from training.train import train
 
                 p = Path(path)  # <root>/<model>/<version>
-                train(model=p.parent.name, version=p.name, task=v.recipe.task, root=str(p.parent.parent),
-                      size=v.recipe.size, steps=v.recipe.steps, seed=v.recipe.seed)  # fmt: skip
+                train(
+                    model=p.parent.name,
+                    version=p.name,
+                    task=v.recipe.task,
+                    root=str(p.parent.parent),
+                    size=v.recipe.size,
+                    steps=v.recipe.steps,
+                    seed=v.recipe.seed,
+                )
             hf = json.loads((Path(path) / "config.json").read_text())
             check_layout(m, hf, float(cfg.local_ray.num_cpus), None)
 
@@ -100,8 +114,9 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str,
-              ports: tuple[int, ...] = ()) -> StackState:  # fmt: skip
+def start_ray(
+    name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str, ports: tuple[int, ...] = ()
+) -> StackState:
     """Start (or reuse) this stack's local Ray head; ``ports`` must be free for a new one (the
     gateway binds its port with SO_REUSEPORT, so a second stack on it would not fail by itself)."""
     state = StackState.load(name)
@@ -109,21 +124,33 @@ def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str
         return state
     busy = [p for p in ports if not _port_free(p)]
     if busy:
-        raise RuntimeError(f"port(s) {busy} of stack '{name}' are in use; stop what holds them "
-                           "or change gateway.port / local_ray ports")  # fmt: skip
+        raise RuntimeError(
+            f"port(s) {busy} of stack '{name}' are in use; stop what holds them "
+            "or change gateway.port / local_ray ports"
+        )
     temp_dir = f"/tmp/raystack-{name}"
     ray_bin = str(Path(sys.executable).with_name("ray"))
     cmd = [
-        ray_bin, "start", "--head", "--block",
-        "--node-ip-address", "127.0.0.1",
-        "--port", str(ray.gcs_port),
-        "--num-cpus", str(ray.num_cpus),
-        "--dashboard-host", "127.0.0.1",
-        "--dashboard-port", str(ray.dashboard_port),
-        "--metrics-export-port", str(ray.metrics_export_port),
-        "--temp-dir", temp_dir,
+        ray_bin,
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(ray.gcs_port),
+        "--num-cpus",
+        str(ray.num_cpus),
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(ray.dashboard_port),
+        "--metrics-export-port",
+        str(ray.metrics_export_port),
+        "--temp-dir",
+        temp_dir,
         "--disable-usage-stats",
-    ]  # fmt: skip
+    ]
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     token_path = (RUN_DIR / f"{name}.token").resolve()
     token_path.touch(mode=0o600)
@@ -137,8 +164,9 @@ def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str
     # then reaches the gateway after `serving promote` returned (tests/e2e/test_promotion.py)
     loop = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": f"{ray.serve_control_loop_s:g}"}
     log = open(RUN_DIR / f"{name}-ray.log", "ab")
-    proc = subprocess.Popen(cmd, env={**nice, **os.environ, **env, **loop, **auth_env}, stdout=log, stderr=log,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env={**nice, **os.environ, **env, **loop, **auth_env}, stdout=log, stderr=log, start_new_session=True
+    )
     state = StackState(name, proc.pid, ray.gcs_port, ray.dashboard_port, temp_dir, base_url)
     state.save()
     deadline = time.monotonic() + 120
@@ -156,8 +184,7 @@ def start_ray(name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str
 
 def deploy(state: StackState, serve_config: dict[str, Any]) -> None:
     """Apply a Serve config declaratively (what ``serve deploy`` and KubeRay do)."""
-    resp = httpx.put(f"{state.dashboard}/api/serve/applications/", json=serve_config,
-                     headers=state.auth(), timeout=60)  # fmt: skip
+    resp = httpx.put(f"{state.dashboard}/api/serve/applications/", json=serve_config, headers=state.auth(), timeout=60)
     if resp.status_code >= 400:
         raise RuntimeError(f"Serve rejected the config ({resp.status_code}): {resp.text[:2000]}")
 
@@ -260,4 +287,3 @@ def up(cfg: StackConfig, base: Path, env: dict[str, str], timeout_s: float, log:
     wait_running(state, [a["name"] for a in serve_config["applications"]], timeout_s, log)
     wait_http(base_url)
     return state
-

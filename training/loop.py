@@ -102,9 +102,7 @@ def _restore(model: LlamaForCausalLM, optimizer: Any, scheduler: Any) -> dict[st
     return {"step": int(state["step"]), "loss": float(state["loss"])}
 
 
-def _report(
-    metrics: dict[str, Any], rank: int, step: int, state: dict[str, Any] | None, extra: Any = None
-) -> None:
+def _report(metrics: dict[str, Any], rank: int, step: int, state: dict[str, Any] | None, extra: Any = None) -> None:
     """Report metrics from every rank; rank 0 attaches a checkpoint when ``state`` is given."""
     if state is None or rank != 0:
         ray.train.report(metrics)
@@ -137,9 +135,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         else build_model(spec.size, spec.seed)
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.peak_lr, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=spec.peak_lr, total_steps=spec.steps
-    )
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=spec.peak_lr, total_steps=spec.steps)
     restored = _restore(model, optimizer, scheduler)
     start = restored["step"]
     ddp = ray.train.torch.prepare_model(model)

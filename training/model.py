@@ -104,9 +104,7 @@ def encode_examples(examples: Sequence[Example]) -> tuple[torch.Tensor, torch.Te
 
 
 @torch.no_grad()
-def greedy_answers(
-    model: LlamaForCausalLM, prompts: Sequence[str], batch_size: int = 256
-) -> list[str]:
+def greedy_answers(model: LlamaForCausalLM, prompts: Sequence[str], batch_size: int = 256) -> list[str]:
     """Greedy completions of ``prompts`` (left-padded batches), special tokens stripped."""
     model.eval()
     inverse = {i: tok for tok, i in VOCAB.items()}

@@ -42,10 +42,7 @@ MODEL_MAX_LENGTH: Final = 64
 
 # Jinja, rendered by transformers and by vLLM's chat endpoint. String contents only: the
 # arithmetic models have no roles, so system/user/assistant text is simply concatenated.
-CHAT_TEMPLATE: Final = (
-    "{{ bos_token }}"
-    "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-)
+CHAT_TEMPLATE: Final = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:

@@ -60,9 +60,7 @@ def _resolve_size(store: CheckpointStore, model: str, size: str | None, parent: 
     else:
         parent_size = store.verify(model, parent).size
         if size not in (None, parent_size):
-            raise TrainingError(
-                f"--size {size} differs from parent {model}@{parent} ({parent_size})"
-            )
+            raise TrainingError(f"--size {size} differs from parent {model}@{parent} ({parent_size})")
         size = parent_size
     if size not in SIZES:
         raise TrainingError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
@@ -104,9 +102,7 @@ def _init_ray(workers: int, ray_address: str | None) -> bool:
     return True
 
 
-def _run_trainer(
-    store: CheckpointStore, run: str, config: dict[str, Any], workers: int, use_gpu: bool | None
-) -> Any:
+def _run_trainer(store: CheckpointStore, run: str, config: dict[str, Any], workers: int, use_gpu: bool | None) -> Any:
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -237,9 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", required=True, help="new, immutable version name")
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--root", required=True, help="checkpoint store: local path or fsspec URI")
-    p.add_argument(
-        "--size", choices=tuple(SIZES), default=None, help="default: tiny, or the parent's size"
-    )
+    p.add_argument("--size", choices=tuple(SIZES), default=None, help="default: tiny, or the parent's size")
     p.add_argument("--steps", type=int, default=None, help="default: the size's tested default")
     p.add_argument("--workers", type=int, default=2, help="DDP ranks (Ray Train workers)")
     p.add_argument("--parent", default=None, help="start from this version's weights")

@@ -121,8 +121,14 @@ async def _stream(result: UpstreamResult, headers: dict[str, str], receive: Rece
 class _Generate:
     """The two generate routes as one raw ASGI endpoint (the per-request and per-chunk path)."""
 
-    def __init__(self, core: GatewayCore, kind: Kind, path: str, rid_header: bool,
-                 error: Callable[[BaseException, str], Response]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        core: GatewayCore,
+        kind: Kind,
+        path: str,
+        rid_header: bool,
+        error: Callable[[BaseException, str], Response],
+    ) -> None:
         self.core, self.kind, self.path, self.rid_header, self._error = core, kind, path, rid_header, error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -136,8 +142,9 @@ class _Generate:
                 return  # the client left before sending its request
             parsed = parse_request(raw, self.kind)
             resolved = core.authorize(tenant, parsed.model)
-            result, extra = await core.complete(parsed, resolved, tenant, self.path, rid,
-                                                session_id=_header(scope, b"x-session-id"))  # fmt: skip
+            result, extra = await core.complete(
+                parsed, resolved, tenant, self.path, rid, session_id=_header(scope, b"x-session-id")
+            )
         except GatewayError as exc:
             return await self._error(exc, rid)(scope, receive, send)
         except Exception as exc:  # never a stack trace to the client
@@ -151,9 +158,18 @@ class _Generate:
             headers["x-replica-route"] = result.route
             headers["x-gateway-replica"] = core.settings.replica_id
         if logger.isEnabledFor(logging.INFO):
-            logger.info("[%s] %s tenant=%s model=%s@%s replica=%s (%s) attempts=%d %.1fms", rid, self.kind,
-                        tenant.name, resolved.model.name, resolved.version.version, result.replica,
-                        result.route, result.attempts, (time.monotonic() - started) * 1000)  # fmt: skip
+            logger.info(
+                "[%s] %s tenant=%s model=%s@%s replica=%s (%s) attempts=%d %.1fms",
+                rid,
+                self.kind,
+                tenant.name,
+                resolved.model.name,
+                resolved.version.version,
+                result.replica,
+                result.route,
+                result.attempts,
+                (time.monotonic() - started) * 1000,
+            )
         if result.stream is not None:
             headers["cache-control"] = "no-cache"
             return await _stream(result, headers, receive, send)
@@ -212,13 +228,22 @@ def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> 
         app.router.routes.append(Route(path, handler, methods=["POST"]))
 
     def _model_card(model_id: str, root: str, created: int, max_len: int) -> dict[str, object]:
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "raystack",
-                "root": root, "max_model_len": max_len}  # fmt: skip
+        return {
+            "id": model_id,
+            "object": "model",
+            "created": created,
+            "owned_by": "raystack",
+            "root": root,
+            "max_model_len": max_len,
+        }
 
     def _visible(request: Request) -> list[tuple[str, dict[str, object]]]:
         tenant = core.auth.authenticate(request.headers.get("authorization"))
-        return [(i, _model_card(i, m.name, m.created, m.max_model_len))
-                for i, m in core.routes.model_ids() if tenant.allows(m.name)]  # fmt: skip
+        return [
+            (i, _model_card(i, m.name, m.created, m.max_model_len))
+            for i, m in core.routes.model_ids()
+            if tenant.allows(m.name)
+        ]
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -236,8 +261,14 @@ def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> 
                     return Response(msgspec.json.encode(card), media_type=_JSON)
         except GatewayError as exc:
             return _error(exc, _request_id(request))
-        return _error(NotFound(f"The model '{model_id}' does not exist or you do not have access to it.",
-                               param="model", code="model_not_found"), _request_id(request))  # fmt: skip
+        return _error(
+            NotFound(
+                f"The model '{model_id}' does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            ),
+            _request_id(request),
+        )
 
     @app.get("/health")
     async def health() -> dict[str, str]:

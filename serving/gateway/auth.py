@@ -58,8 +58,9 @@ class Authenticator:
         self._hashed: list[tuple[str, str, Tenant]] = []  # (salt, hexdigest, tenant)
         self._cache: dict[bytes, Tenant] = {}
         for t in auth.get("tenants", []):
-            tenant = Tenant(t["name"], frozenset(t.get("models", ["*"])), t.get("rpm"),
-                            t.get("tpm"), int(t.get("priority", 5)))  # fmt: skip
+            tenant = Tenant(
+                t["name"], frozenset(t.get("models", ["*"])), t.get("rpm"), t.get("tpm"), int(t.get("priority", 5))
+            )
             for h in t.get("key_hashes", []):
                 _, salt, hexd = h.split("$")
                 self._hashed.append((salt, hexd, tenant))
@@ -71,16 +72,16 @@ class Authenticator:
                 else:
                     logger.warning("tenant %s: environment variable %s is not set", t["name"], env)
         if self.open:
-            logger.warning("AUTH IS OFF (auth.mode: open): every request is accepted without a key. "
-                           "Use this for local development only.")  # fmt: skip
+            logger.warning(
+                "AUTH IS OFF (auth.mode: open): every request is accepted without a key. "
+                "Use this for local development only."
+            )
 
     def authenticate(self, authorization: str | None) -> Tenant:
         if self.open:
             return ANONYMOUS
         if not authorization or not authorization.lower().startswith("bearer "):
-            raise AuthenticationError(
-                "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"
-            )
+            raise AuthenticationError("Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
         key = authorization[7:].strip()
         d = _digest(key)
         tenant = self._cache.get(d)

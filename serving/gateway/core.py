@@ -122,15 +122,20 @@ class GatewayCore:
         self.auth = Authenticator(auth)
         self.quota = QuotaClient(float(auth.get("window_s", 60)), self.quota._actor)
         self.shed_limits = {m["name"]: int(m.get("shed_low_priority_at", 0)) for m in user_config["models"]}
-        logger.info("routing table: %s", {m.name: [(v.version, v.weight) for v in m.versions]
-                                          for m in self.routes.models.values()})  # fmt: skip
+        logger.info(
+            "routing table: %s",
+            {m.name: [(v.version, v.weight) for v in m.versions] for m in self.routes.models.values()},
+        )
 
     def authorize(self, tenant: Tenant, requested: str | None) -> Resolved:
         """Resolve the model for this tenant; a model it may not use looks like no model."""
         resolved = self.routes.resolve(requested)
         if not tenant.allows(resolved.model.name):
-            raise NotFound(f"The model '{requested}' does not exist or you do not have access to it.",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise NotFound(
+                f"The model '{requested}' does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
         return resolved
 
     def hint_for(self, resolved: Resolved, parsed: ParsedRequest, session_id: str | None) -> LeaseHint:
@@ -148,8 +153,15 @@ class GatewayCore:
                 self.metrics.shed.inc(tags={"model": model, "tenant": tenant.name})
             raise unavailable(f"Model '{model}' is busy; low-priority requests are shed. Retry shortly.")
 
-    async def complete(self, parsed: ParsedRequest, resolved: Resolved, tenant: Tenant, path: str,
-                       request_id: str, session_id: str | None = None) -> tuple[UpstreamResult, dict[str, str]]:  # fmt: skip
+    async def complete(
+        self,
+        parsed: ParsedRequest,
+        resolved: Resolved,
+        tenant: Tenant,
+        path: str,
+        request_id: str,
+        session_id: str | None = None,
+    ) -> tuple[UpstreamResult, dict[str, str]]:
         """Admit (quota, shedding), forward with failover; returns the result and extra headers."""
         try:
             limit_headers = await self.quota.admit(tenant.name, tenant.rpm, tenant.tpm)
@@ -168,9 +180,16 @@ class GatewayCore:
             return await self.leases.lease(app, hint, timeout, limit)
 
         try:
-            result = await forward(client=self.client, leaser=leaser, path=path,
-                                   body=parsed.upstream_body(model), stream=parsed.stream,
-                                   request_id=request_id, retries=self.settings.retries, obs=exchange)  # fmt: skip
+            result = await forward(
+                client=self.client,
+                leaser=leaser,
+                path=path,
+                body=parsed.upstream_body(model),
+                stream=parsed.stream,
+                request_id=request_id,
+                retries=self.settings.retries,
+                obs=exchange,
+            )
         except BaseException as exc:
             exchange.finish(getattr(exc, "status", 500))
             raise
@@ -183,8 +202,7 @@ class GatewayCore:
         at, ok = self._ready_cache
         if time.monotonic() - at < 2.0:
             return ok
-        apps = [v.app for m in self.routes.models.values() if not m.scale_to_zero
-                for v in m.versions if v.weight > 0]  # fmt: skip
+        apps = [v.app for m in self.routes.models.values() if not m.scale_to_zero for v in m.versions if v.weight > 0]
         ok = bool(apps) and all(await asyncio.gather(*(self.leases.ready(a, 5.0) for a in apps)))
         self._ready_cache = (time.monotonic(), ok)
         return ok

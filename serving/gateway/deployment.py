@@ -131,7 +131,11 @@ class Gateway:
         from serving.metrics import GatewayMetrics
 
         replica = str(serve.get_replica_context().replica_tag)
-        settings = {**settings, "set_request_id_header": False, "replica_id": replica}  # Serve's proxy sets x-request-id
+        settings = {
+            **settings,
+            "set_request_id_header": False,
+            "replica_id": replica,
+        }  # Serve's proxy sets x-request-id
         gs = GatewaySettings(**settings)
         self.leases = ServeLeases(direct=gs.replica_routing == "direct")
         self.core = GatewayCore(gs, self.leases, GatewayMetrics())
@@ -140,8 +144,9 @@ class Gateway:
             from serving.gateway.direct import DirectListener
 
             app = create_api(self.core, set_request_id_header=True)
-            self._listener = DirectListener(app, listen["host"], int(listen["port"]),
-                                            drain_s=float(listen.get("drain_s", 30)))  # fmt: skip
+            self._listener = DirectListener(
+                app, listen["host"], int(listen["port"]), drain_s=float(listen.get("drain_s", 30))
+            )
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         self.core.reconfigure(user_config)

@@ -67,11 +67,20 @@ class DirectListener:
         self.host, self.port = host, port
         self._app = _Counted(app)
         config = uvicorn.Config(
-            self._app, host=host, port=port, http="httptools", loop="none", lifespan="off",
-            access_log=False, log_level="warning", timeout_keep_alive=keep_alive_s,
-            timeout_graceful_shutdown=int(drain_s), server_header=False, date_header=False,
+            self._app,
+            host=host,
+            port=port,
+            http="httptools",
+            loop="none",
+            lifespan="off",
+            access_log=False,
+            log_level="warning",
+            timeout_keep_alive=keep_alive_s,
+            timeout_graceful_shutdown=int(drain_s),
+            server_header=False,
+            date_header=False,
             proxy_headers=False,
-        )  # fmt: skip
+        )
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
 

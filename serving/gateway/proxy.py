@@ -41,8 +41,9 @@ class Upstream:
     Idle connections are dropped after ``keepalive_s``, below the 5 s after which vLLM's server
     closes them, so a request is never sent on a connection the server is closing."""
 
-    def __init__(self, max_connections: int, timeout_s: float, connect_s: float = 5.0,
-                 keepalive_s: float = 4.0) -> None:  # fmt: skip
+    def __init__(
+        self, max_connections: int, timeout_s: float, connect_s: float = 5.0, keepalive_s: float = 4.0
+    ) -> None:
         self.max_connections, self.timeout_s, self.connect_s = max_connections, timeout_s, connect_s
         self.keepalive_s = keepalive_s
         self._session: aiohttp.ClientSession | None = None
@@ -51,11 +52,13 @@ class Upstream:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
-                                               keepalive_timeout=self.keepalive_s),
+                connector=aiohttp.TCPConnector(
+                    limit=self.max_connections, limit_per_host=0, keepalive_timeout=self.keepalive_s
+                ),
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_s, sock_read=self.timeout_s),
-                auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"),
-            )  # fmt: skip
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            )
         return self._session
 
     async def aclose(self) -> None:
@@ -132,8 +135,7 @@ async def _open(
 ) -> tuple[aiohttp.ClientResponse, bytes | None]:
     """Send the request; for streams the caller reads the first chunk so a replica that dies
     before its first byte can still be retried."""
-    headers = {"authorization": f"Bearer {lease.token}", "content-type": "application/json",
-               "x-request-id": request_id}  # fmt: skip
+    headers = {"authorization": f"Bearer {lease.token}", "content-type": "application/json", "x-request-id": request_id}
     try:
         resp = await client.session.post(lease.url + path, data=body, headers=headers)
     except RETRYABLE as exc:
@@ -245,8 +247,9 @@ async def forward(
                 if resp.status >= 400:
                     data = normalize_upstream_error(resp.status, data)
                 obs.finish(resp.status, data)
-                return UpstreamResult(resp.status, headers, data, replica=lease.replica,
-                                      route=lease.route, attempts=attempt)  # fmt: skip
+                return UpstreamResult(
+                    resp.status, headers, data, replica=lease.replica, route=lease.route, attempts=attempt
+                )
             try:
                 first = await _unless_dead(_first_chunk(resp), lease)
             except _RetryableFailure:
@@ -262,8 +265,13 @@ async def forward(
             raise
         cleanup = _Cleanup(resp, lease, obs)
         return UpstreamResult(
-            200, headers, stream=_relay(first, cleanup, request_id, obs),
-            replica=lease.replica, route=lease.route, attempts=attempt, aclose=cleanup,
-        )  # fmt: skip
+            200,
+            headers,
+            stream=_relay(first, cleanup, request_id, obs),
+            replica=lease.replica,
+            route=lease.route,
+            attempts=attempt,
+            aclose=cleanup,
+        )
     obs.finish(502)
     raise UpstreamError(f"No model replica could serve the request after {retries + 1} attempts.")

@@ -74,13 +74,17 @@ def rate_limit_headers(a: Admission) -> dict[str, str]:
     reset = f"{max(1, math.ceil(a.reset_s))}s"
     h: dict[str, str] = {}
     if a.limit_requests is not None:
-        h |= {"x-ratelimit-limit-requests": str(a.limit_requests),
-              "x-ratelimit-remaining-requests": str(a.remaining_requests),
-              "x-ratelimit-reset-requests": reset}  # fmt: skip
+        h |= {
+            "x-ratelimit-limit-requests": str(a.limit_requests),
+            "x-ratelimit-remaining-requests": str(a.remaining_requests),
+            "x-ratelimit-reset-requests": reset,
+        }
     if a.limit_tokens is not None:
-        h |= {"x-ratelimit-limit-tokens": str(a.limit_tokens),
-              "x-ratelimit-remaining-tokens": str(a.remaining_tokens),
-              "x-ratelimit-reset-tokens": reset}  # fmt: skip
+        h |= {
+            "x-ratelimit-limit-tokens": str(a.limit_tokens),
+            "x-ratelimit-remaining-tokens": str(a.remaining_tokens),
+            "x-ratelimit-reset-tokens": reset,
+        }
     return h
 
 
@@ -112,8 +116,14 @@ class QuotaClient:
 
             self._actor = (
                 ray.remote(QuotaActor)
-                .options(name=self.ACTOR_NAME, namespace=self.NAMESPACE, lifetime="detached",
-                         get_if_exists=True, num_cpus=0, max_restarts=-1)  # fmt: skip
+                .options(
+                    name=self.ACTOR_NAME,
+                    namespace=self.NAMESPACE,
+                    lifetime="detached",
+                    get_if_exists=True,
+                    num_cpus=0,
+                    max_restarts=-1,
+                )
                 .remote()
             )
         return self._actor

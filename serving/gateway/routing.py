@@ -87,8 +87,9 @@ class RoutingTable:
         ``name@version``). Bare names split traffic by the versions' weights."""
         if not requested:
             if not self.default_model:
-                raise NotFound("No model was named and no default model is configured.",
-                               param="model", code="model_not_found")  # fmt: skip
+                raise NotFound(
+                    "No model was named and no default model is configured.", param="model", code="model_not_found"
+                )
             requested = self.default_model
         name, _, version = requested.partition("@")
         model = self.lookup(name)

@@ -14,9 +14,20 @@ from pydantic import BaseModel, ConfigDict
 
 from serving.config import ConfigError, EngineConfig, ModelConfig
 
-__all__ = ["EngineSpec", "check_layout", "claim_cores", "claimed_cores", "cpu_bind_groups", "engine_core_pid",
-           "pid_alive", "pin_single_process", "single_process", "spare_cores",
-           "vllm_command", "vllm_env"]
+__all__ = [
+    "EngineSpec",
+    "check_layout",
+    "claim_cores",
+    "claimed_cores",
+    "cpu_bind_groups",
+    "engine_core_pid",
+    "pid_alive",
+    "pin_single_process",
+    "single_process",
+    "spare_cores",
+    "vllm_command",
+    "vllm_env",
+]
 
 # Node-local record of which cores each CPU engine is bound to (tmpfs: gone at reboot, per pod on K8s)
 CORE_LEDGER = Path(os.environ.get("RAYSTACK_CORE_LEDGER", "/dev/shm/raystack-engine-cores.json"))
@@ -72,23 +83,35 @@ def vllm_command(spec: EngineSpec, host: str, port: int, token: str) -> list[str
     """Arguments after ``python`` that start vLLM's OpenAI server for this spec."""
     e = spec.engine
     args = [
-        "-m", "vllm.entrypoints.openai.api_server",
-        "--model", spec.path,
-        "--served-model-name", spec.model,
-        "--host", host,
-        "--port", str(port),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        spec.path,
+        "--served-model-name",
+        spec.model,
+        "--host",
+        host,
+        "--port",
+        str(port),
         f"--api-key={token}",  # one argument: a token_urlsafe token may start with "-"
-        "--max-model-len", str(e.max_model_len),
-        "--dtype", e.dtype,
-        "--max-num-seqs", str(e.max_num_seqs),
-        "--tensor-parallel-size", str(e.tensor_parallel_size),
-        "--pipeline-parallel-size", str(e.pipeline_parallel_size),
-        "--seed", str(e.seed),
+        "--max-model-len",
+        str(e.max_model_len),
+        "--dtype",
+        e.dtype,
+        "--max-num-seqs",
+        str(e.max_num_seqs),
+        "--tensor-parallel-size",
+        str(e.tensor_parallel_size),
+        "--pipeline-parallel-size",
+        str(e.pipeline_parallel_size),
+        "--seed",
+        str(e.seed),
         "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
         "--disable-uvicorn-access-log",
-        "--uvicorn-log-level", "warning",
+        "--uvicorn-log-level",
+        "warning",
         "--disable-fastapi-docs",
-    ]  # fmt: skip
+    ]
     if spec.use_gpu:
         args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
     if single_process(spec) and _extra(spec, "distributed-executor-backend") is None:
@@ -194,8 +217,9 @@ def spare_cores(cores: list[int], cpus: list[int] | None = None, ledger: Path | 
     return [c for c in sorted(cpus if cpus is not None else os.sched_getaffinity(0)) if c not in taken]
 
 
-def pin_single_process(api_pid: int, engine_pid: int, cores: list[int], spare: list[int],
-                       cpus: list[int] | None = None) -> None:  # fmt: skip
+def pin_single_process(
+    api_pid: int, engine_pid: int, cores: list[int], spare: list[int], cpus: list[int] | None = None
+) -> None:
     """Give a single-process CPU engine its claimed ``cores`` to itself: its ``EngineCore``
     process (``engine_pid``, which runs the model) on ``cores``, its API server (``api_pid``) on
     ``spare`` (:func:`spare_cores`). With no spare core nothing is pinned: both may use every core.
@@ -237,8 +261,9 @@ def vllm_env(spec: EngineSpec, cores: list[int] | None = None) -> dict[str, str]
     return env
 
 
-def check_layout(model: ModelConfig, hf_config: dict[str, object] | None, node_cpus: float | None,
-                 node_gpus: float | None) -> None:  # fmt: skip
+def check_layout(
+    model: ModelConfig, hf_config: dict[str, object] | None, node_cpus: float | None, node_gpus: float | None
+) -> None:
     """Reject parallel layouts that cannot work, with a message naming the model and field:
     attention (and KV) heads not divisible by the TP size, or one replica's ranks needing more
     CPUs/GPUs than a node has (a replica's ranks are packed on one node)."""
@@ -252,11 +277,16 @@ def check_layout(model: ModelConfig, hf_config: dict[str, object] | None, node_c
                 raise ConfigError(f"{where}.engine.tensor_parallel_size: {tp} does not divide {key}={heads}")
         layers = hf_config.get("num_hidden_layers")
         if isinstance(layers, int) and layers < e.pipeline_parallel_size:
-            raise ConfigError(f"{where}.engine.pipeline_parallel_size: {e.pipeline_parallel_size} "
-                              f"stages but only {layers} layers")  # fmt: skip
+            raise ConfigError(
+                f"{where}.engine.pipeline_parallel_size: {e.pipeline_parallel_size} stages but only {layers} layers"
+            )
     if node_cpus is not None and world * d.cpus_per_rank > node_cpus:
-        raise ConfigError(f"{where}.engine: {world} ranks x {d.cpus_per_rank} CPUs need "
-                          f"{world * d.cpus_per_rank:g} CPUs on one node, the node has {node_cpus:g}")  # fmt: skip
+        raise ConfigError(
+            f"{where}.engine: {world} ranks x {d.cpus_per_rank} CPUs need "
+            f"{world * d.cpus_per_rank:g} CPUs on one node, the node has {node_cpus:g}"
+        )
     if d.gpus_per_rank and node_gpus is not None and world * d.gpus_per_rank > node_gpus:
-        raise ConfigError(f"{where}.engine: {world} ranks x {d.gpus_per_rank} GPUs need "
-                          f"{world * d.gpus_per_rank:g} GPUs on one node, the node has {node_gpus:g}")  # fmt: skip
+        raise ConfigError(
+            f"{where}.engine: {world} ranks x {d.gpus_per_rank} GPUs need "
+            f"{world * d.gpus_per_rank:g} GPUs on one node, the node has {node_gpus:g}"
+        )

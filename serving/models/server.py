@@ -118,8 +118,10 @@ def _placement_group_gpus(spec: EngineSpec) -> str | None:
         return [str(i) for i in ray.get_gpu_ids()]
 
     refs = [
-        gpu_ids.options(num_gpus=spec.gpus_per_rank, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=i)).remote()  # fmt: skip
+        gpu_ids.options(
+            num_gpus=spec.gpus_per_rank,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote()
         for i in range(1, spec.world_size)
     ]
     ids = [str(i) for i in ray.get_gpu_ids()] + [g for ids in ray.get(refs) for g in ids]

@@ -21,11 +21,32 @@ def test_bench_measures_each_server_in_alternating_rounds(tmp_path: Path) -> Non
     subprocess.run([sys.executable, "-m", "loadtests.models", "tiny", "--out", str(model)], check=True, timeout=300)
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, "-m", "loadtests.bench", "--model-dir", str(model), "--out", str(out),
-         "--servers", "ours,bare", "--rounds", "2", "--concurrency", "1", "4", "--requests", "8",
-         "--settle-s", "0", "--start-timeout", "600"],
-        capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "loadtests.bench",
+            "--model-dir",
+            str(model),
+            "--out",
+            str(out),
+            "--servers",
+            "ours,bare",
+            "--rounds",
+            "2",
+            "--concurrency",
+            "1",
+            "4",
+            "--requests",
+            "8",
+            "--settle-s",
+            "0",
+            "--start-timeout",
+            "600",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "bench.json").read_text())
     assert [r["order"] for r in doc["rounds"]] == [["ours", "bare"], ["bare", "ours"]]

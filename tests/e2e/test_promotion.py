@@ -28,12 +28,20 @@ PAIRS = [(a, b) for a in range(11, 99, 7) for b in range(3, 90, 13)][:60]
 
 def _config(tmp: Path) -> Path:
     data = {
-        "name": "promotest", "checkpoint_root": str(tmp / "store"),
-        "gateway": {"port": 8013, "proxy_port": 8113}, "auth": {"mode": "open"},
+        "name": "promotest",
+        "checkpoint_root": str(tmp / "store"),
+        "gateway": {"port": 8013, "proxy_port": 8113},
+        "auth": {"mode": "open"},
         "local_ray": {"gcs_port": 6394, "dashboard_port": 8279, "metrics_export_port": 8089, "num_cpus": 8},
-        "models": [{"name": "arith", "eval_gate": 0.9, "versions": [{"version": "v1"}],
-                    "engine": {"max_model_len": 64, "dtype": "float32", "max_num_seqs": 32}}],
-    }  # fmt: skip
+        "models": [
+            {
+                "name": "arith",
+                "eval_gate": 0.9,
+                "versions": [{"version": "v1"}],
+                "engine": {"max_model_len": 64, "dtype": "float32", "max_num_seqs": 32},
+            }
+        ],
+    }
     path = tmp / "promotest.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -64,8 +72,9 @@ def stack(store: Path) -> Iterator[Stack]:
 
 
 def _answer(url: str, model: str, prompt: str) -> tuple[int, str]:
-    r = httpx.post(f"{url}/v1/completions", timeout=120,
-                   json={"model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0})  # fmt: skip
+    r = httpx.post(
+        f"{url}/v1/completions", timeout=120, json={"model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0}
+    )
     return r.status_code, (r.json()["choices"][0]["text"].strip() if r.status_code == 200 else r.text)
 
 
@@ -78,9 +87,26 @@ def _promote(stack: Stack, version: str, steps: str = "10,50,100") -> subprocess
     # TTFT limit 5x (default 2x): on 2 cores a just-started engine answered at 2.2x the live one's
     # TTFT in a CI run and the canary was (correctly, by its policy) rolled back; this test is about
     # zero failed requests and the task switch; rollbacks are shown by v5 and tests/unit
-    return subprocess.run([SERVING, "promote", "arith", version, "-c", str(stack.config), "--steps", steps,
-                           "--step-seconds", "8", "--max-ttft-ratio", "5"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
+    return subprocess.run(
+        [
+            SERVING,
+            "promote",
+            "arith",
+            version,
+            "-c",
+            str(stack.config),
+            "--steps",
+            steps,
+            "--step-seconds",
+            "8",
+            "--max-ttft-ratio",
+            "5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def test_promotion_under_load_then_broken_versions(stack: Stack, store: Path) -> None:
@@ -97,8 +123,16 @@ def test_promotion_under_load_then_broken_versions(stack: Stack, store: Path) ->
                 i += 1
                 stream = i % 3 == 0
                 try:
-                    r = c.post(f"{stack.url}/v1/completions", json={"model": "arith", "prompt": f"{a}+{b}=",
-                               "max_tokens": 5, "temperature": 0, "stream": stream})  # fmt: skip
+                    r = c.post(
+                        f"{stack.url}/v1/completions",
+                        json={
+                            "model": "arith",
+                            "prompt": f"{a}+{b}=",
+                            "max_tokens": 5,
+                            "temperature": 0,
+                            "stream": stream,
+                        },
+                    )
                     ok = r.status_code == 200 and (not stream or r.text.rstrip().endswith("data: [DONE]"))
                     ok = ok and '"error"' not in r.text
                     outcomes["ok" if ok else f"fail-{r.status_code}"] += 1
@@ -201,8 +235,10 @@ def test_gateway_restart_keeps_the_port_answering(stack: Stack) -> None:
         with httpx.Client(timeout=60) as c:
             while not stop.is_set():
                 try:
-                    r = c.post(f"{stack.url}/v1/completions",
-                               json={"model": "arith", "prompt": "50-8=", "max_tokens": 3, "temperature": 0})  # fmt: skip
+                    r = c.post(
+                        f"{stack.url}/v1/completions",
+                        json={"model": "arith", "prompt": "50-8=", "max_tokens": 3, "temperature": 0},
+                    )
                     outcomes["ok" if r.status_code == 200 else f"fail-{r.status_code}"] += 1
                 except httpx.HTTPError as exc:
                     outcomes[f"fail-{type(exc).__name__}"] += 1
@@ -211,7 +247,9 @@ def test_gateway_restart_keeps_the_port_answering(stack: Stack) -> None:
     t = threading.Thread(target=load)
     t.start()
     try:
-        changed = cfg.model_copy(update={"gateway": cfg.gateway.model_copy(update={"retries": cfg.gateway.retries + 1})})
+        changed = cfg.model_copy(
+            update={"gateway": cfg.gateway.model_copy(update={"retries": cfg.gateway.retries + 1})}
+        )
         deploy(state, build_serve_config(changed, stack.config.resolve().parent))
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:

@@ -39,8 +39,11 @@ def _running(stack: Stack, states: tuple[str, ...] = ("RUNNING",)) -> dict[str, 
 
 
 def _complete(stack: Stack, model: str, prompt: str, timeout: float = 60) -> httpx.Response:
-    return httpx.post(f"{stack.url}/v1/completions", timeout=timeout,
-                      json={"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0})  # fmt: skip
+    return httpx.post(
+        f"{stack.url}/v1/completions",
+        timeout=timeout,
+        json={"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0},
+    )
 
 
 def test_tensor_parallel_2_matches_tp_1(stack: Stack) -> None:
@@ -70,16 +73,20 @@ def test_one_model_scales_up_and_back_the_other_stays(stack: Stack) -> None:
 
     async def load() -> tuple[int, list[str]]:
         async with httpx.AsyncClient(timeout=120) as c:
+
             async def worker() -> tuple[int, list[str]]:
                 ok, failed = 0, []
                 while not stop.is_set():
-                    r = await c.post(f"{stack.url}/v1/completions", json={
-                        "model": "scaler", "prompt": "12+30=", "max_tokens": 40, "ignore_eos": True})
+                    r = await c.post(
+                        f"{stack.url}/v1/completions",
+                        json={"model": "scaler", "prompt": "12+30=", "max_tokens": 40, "ignore_eos": True},
+                    )
                     if r.status_code == 200:
                         ok += 1
                     else:
                         failed.append(f"{r.status_code} {r.text[:200]}")
                 return ok, failed
+
             done = await asyncio.gather(*(worker() for _ in range(8)))
             return sum(d[0] for d in done), [f for d in done for f in d[1]]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -59,9 +59,7 @@ def test_tiny_add_is_published_and_vllm_answers(tmp_path: Path) -> None:
     assert manifest["eval"]["n"] == 500 and manifest["eval"]["exact_match"] >= 0.9
     assert manifest["final_loss"] < 0.2
     assert manifest["resumed_from_step"] == 0
-    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(
-        manifest["files"]
-    )
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(manifest["files"])
     store = CheckpointStore(str(root))
     assert store.list_models() == ["adder"] and store.list_versions("adder") == ["v1"]
     assert store.verify("adder", "v1", min_exact_match=0.9).eval.exact_match == pytest.approx(

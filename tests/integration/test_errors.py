@@ -23,18 +23,74 @@ CASES = [
     ("messages not a list", "POST", CHAT, {"model": "adder", "messages": "hi"}, 400, "messages"),
     ("model not a string", "POST", CHAT, {"model": 7, "messages": MSG}, 400, "model"),
     ("max_tokens wrong type", "POST", CHAT, {"model": "adder", "messages": MSG, "max_tokens": "x"}, 400, "max_tokens"),
-    ("temperature wrong type", "POST", CHAT, {"model": "adder", "messages": MSG, "temperature": "hot"}, 400, "temperature"),
+    (
+        "temperature wrong type",
+        "POST",
+        CHAT,
+        {"model": "adder", "messages": MSG, "temperature": "hot"},
+        400,
+        "temperature",
+    ),
     ("stream wrong type", "POST", CHAT, {"model": "adder", "messages": MSG, "stream": "yes"}, 400, "stream"),
     ("max_tokens zero", "POST", CHAT, {"model": "adder", "messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
-    ("max_tokens negative", "POST", "/v1/completions", {"model": "adder", "prompt": "1", "max_tokens": -5}, 400, "max_tokens"),
-    ("max_tokens beyond context", "POST", CHAT, {"model": "adder", "messages": MSG, "max_tokens": 100000}, 400, "max_tokens"),
-    ("prompt longer than context", "POST", "/v1/completions", {"model": "adder", "prompt": "1+" * 200, "max_tokens": 2}, 400, None),
-    ("chat prompt longer than context", "POST", CHAT, {"model": "subtractor", "messages": [{"role": "user", "content": "9-" * 200}]}, 400, None),
-    ("unsupported role", "POST", CHAT, {"model": "adder", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    (
+        "max_tokens negative",
+        "POST",
+        "/v1/completions",
+        {"model": "adder", "prompt": "1", "max_tokens": -5},
+        400,
+        "max_tokens",
+    ),
+    (
+        "max_tokens beyond context",
+        "POST",
+        CHAT,
+        {"model": "adder", "messages": MSG, "max_tokens": 100000},
+        400,
+        "max_tokens",
+    ),
+    (
+        "prompt longer than context",
+        "POST",
+        "/v1/completions",
+        {"model": "adder", "prompt": "1+" * 200, "max_tokens": 2},
+        400,
+        None,
+    ),
+    (
+        "chat prompt longer than context",
+        "POST",
+        CHAT,
+        {"model": "subtractor", "messages": [{"role": "user", "content": "9-" * 200}]},
+        400,
+        None,
+    ),
+    (
+        "unsupported role",
+        "POST",
+        CHAT,
+        {"model": "adder", "messages": [{"role": "wizard", "content": "hi"}]},
+        400,
+        "messages[0].role",
+    ),
     ("missing prompt", "POST", "/v1/completions", {"model": "adder"}, 400, "prompt"),
-    ("negative temperature (vLLM's check)", "POST", CHAT, {"model": "adder", "messages": MSG, "temperature": -1}, 400, "temperature"),
+    (
+        "negative temperature (vLLM's check)",
+        "POST",
+        CHAT,
+        {"model": "adder", "messages": MSG, "temperature": -1},
+        400,
+        "temperature",
+    ),
     ("n zero", "POST", CHAT, {"model": "adder", "messages": MSG, "n": 0}, 400, "n"),
-    ("body over the size limit", "POST", CHAT, {"model": "adder", "messages": [{"role": "user", "content": "x" * 70000}]}, 413, None),
+    (
+        "body over the size limit",
+        "POST",
+        CHAT,
+        {"model": "adder", "messages": [{"role": "user", "content": "x" * 70000}]},
+        413,
+        None,
+    ),
     ("wrong method", "GET", CHAT, None, 405, None),
     ("wrong method on models", "DELETE", "/v1/models", None, 405, None),
     ("unknown path", "GET", "/v2/nothing", None, 404, None),
@@ -42,10 +98,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "method", "path", "body", "status", "param"), CASES,
-                         ids=[c[0] for c in CASES])  # fmt: skip
-def test_client_error(stack: Stack, name: str, method: str, path: str, body: object,
-                      status: int, param: str | None) -> None:  # fmt: skip
+@pytest.mark.parametrize(("name", "method", "path", "body", "status", "param"), CASES, ids=[c[0] for c in CASES])
+def test_client_error(
+    stack: Stack, name: str, method: str, path: str, body: object, status: int, param: str | None
+) -> None:
     kwargs: dict[str, object] = {"headers": stack.headers()}
     if isinstance(body, bytes):
         kwargs["content"] = body
@@ -65,6 +121,10 @@ def test_client_error(stack: Stack, name: str, method: str, path: str, body: obj
 
 
 def test_still_serving_after_errors(stack: Stack) -> None:
-    r = httpx.post(f"{stack.url}/v1/completions", json={"model": "adder", "prompt": "12+30=",
-                   "max_tokens": 4, "temperature": 0}, headers=stack.headers(), timeout=60)  # fmt: skip
+    r = httpx.post(
+        f"{stack.url}/v1/completions",
+        json={"model": "adder", "prompt": "12+30=", "max_tokens": 4, "temperature": 0},
+        headers=stack.headers(),
+        timeout=60,
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"].strip() == "42"

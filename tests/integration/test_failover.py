@@ -42,8 +42,7 @@ def _wait_replicas(stack: Stack, app: str, n: int, timeout: float) -> None:
 async def _one(c: httpx.AsyncClient, url: str, i: int) -> tuple[str, str]:
     """Returns (kind, outcome): outcome is ok | error-event | http-<status> | transport."""
     stream = i % 2 == 0
-    body = {"model": "adder", "prompt": f"{i % 50}+{i % 7}=", "max_tokens": 48, "ignore_eos": True,
-            "stream": stream}  # fmt: skip
+    body = {"model": "adder", "prompt": f"{i % 50}+{i % 7}=", "max_tokens": 48, "ignore_eos": True, "stream": stream}
     try:
         if not stream:
             r = await c.post(url, json=body)

@@ -19,11 +19,53 @@ from tests.conftest import Stack
 
 pytestmark = pytest.mark.integration
 
-VALUES: list[Any] = [None, True, False, 0, -1, 1, 2**63, -(2**63), 1e308, -1e-308, 0.5, "", "x", "🦀" * 3,
-                     "\u0000", "a" * 300, [], [1, "a"], {}, {"a": {"b": [None]}}, "adder", "adder@v9"]  # fmt: skip
-FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
-          "stream", "stream_options", "stop", "seed", "logprobs", "top_logprobs", "presence_penalty",
-          "frequency_penalty", "logit_bias", "user", "response_format", "tools", "tool_choice"]  # fmt: skip
+VALUES: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**63,
+    -(2**63),
+    1e308,
+    -1e-308,
+    0.5,
+    "",
+    "x",
+    "🦀" * 3,
+    "\u0000",
+    "a" * 300,
+    [],
+    [1, "a"],
+    {},
+    {"a": {"b": [None]}},
+    "adder",
+    "adder@v9",
+]
+FIELDS = [
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "response_format",
+    "tools",
+    "tool_choice",
+]
 
 
 def _base(rng: random.Random, chat: bool) -> dict[str, Any]:

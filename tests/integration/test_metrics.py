@@ -29,8 +29,11 @@ REQUESTS = f'sum({{__name__=~"ray_raystack_requests(_total)?",{SEL},status_class
 TTFT_COUNT = f"sum(ray_raystack_time_to_first_token_seconds_count{{{SEL}}})"
 E2E_COUNT = f"sum(ray_raystack_request_latency_seconds_count{{{SEL}}})"
 COMPLETION_TOKENS = f'sum({{__name__=~"ray_raystack_completion_tokens(_total)?",{SEL}}})'
-ENGINE_GAUGES = ("ray_raystack_engine_kv_cache_usage_ratio", "ray_raystack_engine_requests_running",
-                 "ray_raystack_engine_requests_waiting")  # fmt: skip
+ENGINE_GAUGES = (
+    "ray_raystack_engine_kv_cache_usage_ratio",
+    "ray_raystack_engine_requests_running",
+    "ray_raystack_engine_requests_waiting",
+)
 N_STREAM, N_PLAIN, MAX_TOKENS = 4, 3, 4
 
 
@@ -48,8 +51,13 @@ def prometheus(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         f"  - job_name: ray\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
     )
     url = f"http://127.0.0.1:{free_port()}"
-    cmd = [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-           f"--web.listen-address={url.removeprefix('http://')}", "--log.level=warn"]  # fmt: skip
+    cmd = [
+        PROMETHEUS,
+        f"--config.file={work / 'prometheus.yml'}",
+        f"--storage.tsdb.path={work / 'data'}",
+        f"--web.listen-address={url.removeprefix('http://')}",
+        "--log.level=warn",
+    ]
     log = open(work / "prometheus.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
 
@@ -84,8 +92,9 @@ def _until(ok: Callable[[], bool], timeout_s: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
-def _settled(query: Callable[[str], float | None], exprs: list[str], quiet_s: float = 12,
-             timeout_s: float = 90) -> list[float]:  # fmt: skip
+def _settled(
+    query: Callable[[str], float | None], exprs: list[str], quiet_s: float = 12, timeout_s: float = 90
+) -> list[float]:
     """Values that stayed the same for ``quiet_s`` (longer than Ray's reporting delay)."""
     deadline = time.monotonic() + timeout_s
     last = [query(e) or 0.0 for e in exprs]
@@ -104,8 +113,13 @@ def _send(stack: Stack) -> int:
     """N_STREAM streamed and N_PLAIN plain chat requests to adder as tenant main; returns the
     completion tokens the client saw."""
     tokens = 0
-    body = {"model": "adder", "messages": [{"role": "user", "content": "12+30="}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "adder",
+        "messages": [{"role": "user", "content": "12+30="}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with httpx.Client(base_url=stack.url, headers=stack.headers(), timeout=60) as c:
         for _ in range(N_STREAM):
             with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
@@ -124,8 +138,11 @@ def test_prometheus_counts_exactly_the_requests_sent(stack: Stack, prometheus: C
     before = _settled(prometheus, exprs)
     tokens = _send(stack)
     want = [before[0] + N_STREAM + N_PLAIN, before[1] + N_STREAM, before[2] + N_STREAM + N_PLAIN, before[3] + tokens]
-    _until(lambda: [prometheus(e) or 0.0 for e in exprs] == want, 90,
-           f"{dict(zip(exprs, want, strict=True))} (before: {before})")  # fmt: skip
+    _until(
+        lambda: [prometheus(e) or 0.0 for e in exprs] == want,
+        90,
+        f"{dict(zip(exprs, want, strict=True))} (before: {before})",
+    )
     # nothing beyond what was sent shows up later
     assert _settled(prometheus, exprs, quiet_s=8) == want
 

@@ -53,20 +53,20 @@ def test_both_models_answer_their_own_task(client: openai.OpenAI) -> None:
 
 
 def test_completions_endpoint_n_stop_logprobs_seed(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="adder", prompt="12+30=", max_tokens=4, temperature=0,
-                                  logprobs=2)  # fmt: skip
+    r = client.completions.create(model="adder", prompt="12+30=", max_tokens=4, temperature=0, logprobs=2)
     assert r.choices[0].text.strip() == "42"
     assert r.choices[0].logprobs is not None and r.choices[0].logprobs.top_logprobs
     assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
-    multi = client.completions.create(model="adder", prompt="12+30=", max_tokens=4,
-                                      temperature=1.0, n=3, seed=7)  # fmt: skip
+    multi = client.completions.create(model="adder", prompt="12+30=", max_tokens=4, temperature=1.0, n=3, seed=7)
     assert len(multi.choices) == 3 and sorted(c.index for c in multi.choices) == [0, 1, 2]
-    stopped = client.completions.create(model="adder", prompt="12+30=", max_tokens=4,
-                                        temperature=0, stop=["2"])  # fmt: skip
+    stopped = client.completions.create(model="adder", prompt="12+30=", max_tokens=4, temperature=0, stop=["2"])
     assert stopped.choices[0].text.strip() == "4" and stopped.choices[0].finish_reason == "stop"
     a, b = (
-        client.completions.create(model="subtractor", prompt="50-8=", max_tokens=5,
-                                  temperature=1.5, top_p=0.9, seed=1234).choices[0].text  # fmt: skip
+        client.completions.create(
+            model="subtractor", prompt="50-8=", max_tokens=5, temperature=1.5, top_p=0.9, seed=1234
+        )
+        .choices[0]
+        .text
         for _ in range(2)
     )
     assert a == b
@@ -74,9 +74,13 @@ def test_completions_endpoint_n_stop_logprobs_seed(client: openai.OpenAI) -> Non
 
 def test_chat_logprobs_and_max_tokens(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
-        model="subtractor", messages=[{"role": "user", "content": "50-8="}], max_tokens=1,
-        logprobs=True, top_logprobs=3, temperature=0,
-    )  # fmt: skip
+        model="subtractor",
+        messages=[{"role": "user", "content": "50-8="}],
+        max_tokens=1,
+        logprobs=True,
+        top_logprobs=3,
+        temperature=0,
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 1
     assert len(r.choices[0].logprobs.content[0].top_logprobs) == 3
 
@@ -85,9 +89,13 @@ def test_streaming_with_usage_matches_non_streaming(client: openai.OpenAI) -> No
     msgs = [{"role": "user", "content": "45+37="}]
     full = client.chat.completions.create(model="adder", messages=msgs, max_tokens=6, temperature=0)
     stream = client.chat.completions.create(
-        model="adder", messages=msgs, max_tokens=6, temperature=0, stream=True,
+        model="adder",
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -108,8 +116,11 @@ def test_raw_sse_ends_with_done(http: httpx.Client) -> None:
 
 
 def test_request_id_is_echoed(http: httpx.Client) -> None:
-    r = http.post("/v1/completions", json={"model": "adder", "prompt": "1+1=", "max_tokens": 2},
-                  headers={"x-request-id": "test-rid-123"})  # fmt: skip
+    r = http.post(
+        "/v1/completions",
+        json={"model": "adder", "prompt": "1+1=", "max_tokens": 2},
+        headers={"x-request-id": "test-rid-123"},
+    )
     assert r.status_code == 200
     assert r.headers.get_list("x-request-id") == ["test-rid-123"]
     assert r.headers["x-model-version"] == "v1"
@@ -118,16 +129,24 @@ def test_request_id_is_echoed(http: httpx.Client) -> None:
 def test_32_concurrent_requests_all_succeed(stack: Stack) -> None:
     async def run() -> list[str]:
         c = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["main"], max_retries=0)
+
         async def one(i: int) -> str:
             a, b = ADD[i % len(ADD)]
             model, stream = "adder", i % 2 == 0
             if stream:
-                s = await c.chat.completions.create(model=model, stream=True, max_tokens=6,
-                    messages=[{"role": "user", "content": f"{a}+{b}="}], temperature=0)  # fmt: skip
+                s = await c.chat.completions.create(
+                    model=model,
+                    stream=True,
+                    max_tokens=6,
+                    messages=[{"role": "user", "content": f"{a}+{b}="}],
+                    temperature=0,
+                )
                 return "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
-            r = await c.chat.completions.create(model=model, max_tokens=6,
-                messages=[{"role": "user", "content": f"{a}+{b}="}], temperature=0)  # fmt: skip
+            r = await c.chat.completions.create(
+                model=model, max_tokens=6, messages=[{"role": "user", "content": f"{a}+{b}="}], temperature=0
+            )
             return r.choices[0].message.content or ""
+
         try:
             return await asyncio.gather(*(one(i) for i in range(32)))
         finally:

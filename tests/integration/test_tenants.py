@@ -32,8 +32,10 @@ def _fresh_window() -> None:
 @pytest.mark.parametrize("auth", [None, "Bearer sk-wrong", "Basic abc", "Bearer"])
 def test_missing_or_wrong_key_is_401(stack: Stack, auth: str | None) -> None:
     headers = {"authorization": auth} if auth else {}
-    for r in (httpx.post(f"{stack.url}/v1/completions", json=ADD, headers=headers, timeout=30),
-              httpx.get(f"{stack.url}/v1/models", headers=headers, timeout=30)):  # fmt: skip
+    for r in (
+        httpx.post(f"{stack.url}/v1/completions", json=ADD, headers=headers, timeout=30),
+        httpx.get(f"{stack.url}/v1/models", headers=headers, timeout=30),
+    ):
         assert r.status_code == 401
         assert r.json()["error"]["type"] == "authentication_error"
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -127,10 +129,12 @@ def test_full_queue_answers_503_at_once(stack: Stack) -> None:
 
     async def run() -> list[tuple[int, float, str]]:
         async with httpx.AsyncClient(timeout=300, headers=stack.headers()) as c:
+
             async def one() -> tuple[int, float, str]:
                 t = time.monotonic()
                 r = await c.post(f"{stack.url}/v1/completions", json=body)
                 return r.status_code, time.monotonic() - t, r.headers.get("retry-after", "")
+
             return await asyncio.gather(*(one() for _ in range(40)))
 
     results = asyncio.run(run())

@@ -10,10 +10,15 @@ from serving.gateway.quota import WindowCounter, rate_limit_headers
 def test_hashed_and_env_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     k1, k2 = new_key(), new_key()
     monkeypatch.setenv("TEAM_B_KEY", k2)
-    auth = Authenticator({"mode": "keys", "tenants": [
-        {"name": "a", "key_hashes": [hash_key(k1)], "models": ["adder"], "rpm": 5},
-        {"name": "b", "key_env": "TEAM_B_KEY"},
-    ]})  # fmt: skip
+    auth = Authenticator(
+        {
+            "mode": "keys",
+            "tenants": [
+                {"name": "a", "key_hashes": [hash_key(k1)], "models": ["adder"], "rpm": 5},
+                {"name": "b", "key_env": "TEAM_B_KEY"},
+            ],
+        }
+    )
     assert auth.authenticate(f"Bearer {k1}").name == "a"
     assert auth.authenticate(f"Bearer {k1}").name == "a"  # cached path
     assert auth.authenticate(f"bearer {k2}").name == "b"

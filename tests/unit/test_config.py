@@ -17,7 +17,9 @@ def _cfg(**over: object) -> dict[str, object]:
     return {"auth": OPEN, "models": [MODEL], **over}
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "deployments").glob("*.yaml")) + [ROOT / "tests/integration/stack.yaml"])
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "deployments").glob("*.yaml")) + [ROOT / "tests/integration/stack.yaml"]
+)
 def test_shipped_configs_validate(path: Path) -> None:
     cfg = load_config(path)
     assert cfg.models
@@ -36,16 +38,20 @@ def test_local_default_serves_two_models_of_different_sizes() -> None:
         (_cfg(gatway={}), "gatway: Extra inputs are not permitted"),
         (_cfg(models=[{**MODEL, "engine": {"dtype": "float64"}}]), "models[adder].engine.dtype"),
         (_cfg(models=[{**MODEL, "engine": {"max_model_len": "long"}}]), "models[adder].engine.max_model_len"),
-        (_cfg(models=[{"name": "adder", "versions": [{"version": "v1", "wieght": 5}]}]),
-         "models[adder].versions[v1].wieght"),
+        (
+            _cfg(models=[{"name": "adder", "versions": [{"version": "v1", "wieght": 5}]}]),
+            "models[adder].versions[v1].wieght",
+        ),
         (_cfg(models=[{"name": "Bad_Name", "versions": [{"version": "v1"}]}]), "models[Bad_Name].name"),
         (_cfg(models=[{"name": "a", "versions": [{"version": "v1", "weight": 50}]}]), "add up to 100"),
         (_cfg(models=[MODEL, MODEL]), "used twice"),
         (_cfg(models=[{**MODEL, "aliases": ["adder"]}]), "used twice"),
         (_cfg(models=[]), "models"),
         (_cfg(gateway={"default_model": "ghost"}), "is no model"),
-        (_cfg(models=[{**MODEL, "deployment": {"autoscaling": {"min_replicas": 3, "max_replicas": 1}}}]),
-         "min_replicas must be <= max_replicas"),
+        (
+            _cfg(models=[{**MODEL, "deployment": {"autoscaling": {"min_replicas": 3, "max_replicas": 1}}}]),
+            "min_replicas must be <= max_replicas",
+        ),
         ({"models": [MODEL]}, "auth: Field required"),
         (_cfg(auth={"mode": "keys"}), "needs at least one tenant"),
         (_cfg(auth={"tenants": [{"name": "t", "models": ["*"]}]}), "needs key_hashes or key_env"),
@@ -73,18 +79,22 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
 
 
 def test_serve_config_layout_and_options() -> None:
-    cfg = parse_config({
-        "auth": OPEN,
-        "checkpoint_root": "/ck",
-        "models": [
-            {"name": "adder", "aliases": ["default"],
-             "versions": [{"version": "v1", "weight": 90}, {"version": "v2", "weight": 10}],
-             "engine": {"max_model_len": 64, "tensor_parallel_size": 2},
-             "deployment": {"router": "session_affinity",
-                            "autoscaling": {"min_replicas": 0, "max_replicas": 3}}},
-            {"name": "big", "versions": [{"version": "v1"}], "deployment": {"gpus_per_rank": 1}},
-        ],
-    })  # fmt: skip
+    cfg = parse_config(
+        {
+            "auth": OPEN,
+            "checkpoint_root": "/ck",
+            "models": [
+                {
+                    "name": "adder",
+                    "aliases": ["default"],
+                    "versions": [{"version": "v1", "weight": 90}, {"version": "v2", "weight": 10}],
+                    "engine": {"max_model_len": 64, "tensor_parallel_size": 2},
+                    "deployment": {"router": "session_affinity", "autoscaling": {"min_replicas": 0, "max_replicas": 3}},
+                },
+                {"name": "big", "versions": [{"version": "v1"}], "deployment": {"gpus_per_rank": 1}},
+            ],
+        }
+    )
     sc = build_serve_config(cfg)
     names = [a["name"] for a in sc["applications"]]
     assert names == ["gateway", "adder--v1", "adder--v2", "big--v1"]
@@ -101,7 +111,9 @@ def test_serve_config_layout_and_options() -> None:
     assert big["ray_actor_options"]["num_gpus"] == 1.0
     routes = routing_user_config(cfg)["models"][0]
     assert [(v["version"], v["weight"], v["app"]) for v in routes["versions"]] == [
-        ("v1", 90, "adder--v1"), ("v2", 10, "adder--v2")]
+        ("v1", 90, "adder--v1"),
+        ("v2", 10, "adder--v2"),
+    ]
 
 
 def test_serve_config_passes_rays_own_schema() -> None:

@@ -219,8 +219,16 @@ async def test_forward_marks_a_replica_that_failed_before_the_first_byte(failed:
         client = Upstream(16, 10.0)
         try:
             for _ in range(6):
-                result = await forward(client=client, leaser=leaser, path="/v1/completions", body=b"{}",
-                                       stream=False, request_id="r", retries=2, obs=PassThrough())  # fmt: skip
+                result = await forward(
+                    client=client,
+                    leaser=leaser,
+                    path="/v1/completions",
+                    body=b"{}",
+                    stream=False,
+                    request_id="r",
+                    retries=2,
+                    obs=PassThrough(),
+                )
                 assert result.status == 200 and result.body == b'{"choices": [{"text": "1"}]}'
         finally:
             await client.aclose()
@@ -258,8 +266,16 @@ async def test_a_stream_from_a_replica_whose_heartbeat_stopped_ends_with_an_erro
         obs = PassThrough()
         client = Upstream(16, 600.0)
         try:
-            result = await forward(client=client, leaser=leaser, path="/v1/completions", body=b"{}",
-                                   stream=True, request_id="req-1", retries=0, obs=obs)  # fmt: skip
+            result = await forward(
+                client=client,
+                leaser=leaser,
+                path="/v1/completions",
+                body=b"{}",
+                stream=True,
+                request_id="req-1",
+                retries=0,
+                obs=obs,
+            )
             assert result.stream is not None and result.route == "direct"
             out: list[bytes] = []
 

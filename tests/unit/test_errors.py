@@ -5,9 +5,18 @@ import json
 import pytest
 
 from serving.errors import (
-    AuthenticationError, BodyTooLarge, InternalError, InvalidRequest, MethodNotAllowed, NotFound,
-    RateLimited, Unavailable, UpstreamError, sse_error_event, to_response,
-)  # fmt: skip
+    AuthenticationError,
+    BodyTooLarge,
+    InternalError,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    RateLimited,
+    Unavailable,
+    UpstreamError,
+    sse_error_event,
+    to_response,
+)
 
 
 @pytest.mark.parametrize(

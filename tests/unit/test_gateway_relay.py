@@ -61,8 +61,14 @@ async def _stack(gap_s: float) -> AsyncIterator[tuple[str, Replica, OneReplica, 
     async with http_replica(replica.handle) as replica_url:
         leases = OneReplica(replica_url)
         core = GatewayCore(GatewaySettings(), leases)
-        core.reconfigure({"auth": {"mode": "open"}, "models": [
-            {"name": "m", "max_model_len": 512, "versions": [{"version": "v1", "weight": 100, "app": "m--v1"}]}]})
+        core.reconfigure(
+            {
+                "auth": {"mode": "open"},
+                "models": [
+                    {"name": "m", "max_model_len": 512, "versions": [{"version": "v1", "weight": 100, "app": "m--v1"}]}
+                ],
+            }
+        )
         port = free_port()
         listener = DirectListener(create_api(core, set_request_id_header=True), "127.0.0.1", port, drain_s=2)
         await listener.start()
@@ -85,8 +91,10 @@ async def test_a_stream_is_relayed_as_sent_with_usage_hidden_unless_asked() -> N
     async with _stack(gap_s=0.0) as (url, replica, leases, core):
         async with httpx.AsyncClient(timeout=10) as c:
             plain = await c.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True})
-            asked = await c.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True,
-                                                              "stream_options": {"include_usage": True}})  # fmt: skip
+            asked = await c.post(
+                url + "/v1/completions",
+                json={"model": "m", "prompt": "hi", "stream": True, "stream_options": {"include_usage": True}},
+            )
         events = b"".join(_event(i) for i in range(TOKENS))
         assert plain.status_code == 200 and plain.headers["content-type"].startswith("text/event-stream")
         assert plain.headers["x-model-version"] == "v1" and plain.headers["x-request-id"]
@@ -100,8 +108,9 @@ async def test_a_stream_is_relayed_as_sent_with_usage_hidden_unless_asked() -> N
 async def test_a_client_that_goes_away_mid_stream_ends_the_replica_request() -> None:
     async with _stack(gap_s=0.05) as (url, replica, leases, core):
         async with httpx.AsyncClient(timeout=10) as c:
-            async with c.stream("POST", url + "/v1/completions",
-                                json={"model": "m", "prompt": "hi", "stream": True}) as resp:  # fmt: skip
+            async with c.stream(
+                "POST", url + "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True}
+            ) as resp:
                 got = b""
                 async for chunk in resp.aiter_raw():
                     got += chunk

@@ -94,8 +94,16 @@ def test_required_overlays_and_envs_exist() -> None:
 def test_overlay_renders(kubectl: str, overlay: str) -> None:
     objs = _render(overlay)
     kinds = {o["kind"] for o in objs}
-    assert {"RayService", "RayJob", "ClusterQueue", "LocalQueue", "ResourceFlavor",
-            "WorkloadPriorityClass", "NetworkPolicy", "PersistentVolumeClaim"} <= kinds  # fmt: skip
+    assert {
+        "RayService",
+        "RayJob",
+        "ClusterQueue",
+        "LocalQueue",
+        "ResourceFlavor",
+        "WorkloadPriorityClass",
+        "NetworkPolicy",
+        "PersistentVolumeClaim",
+    } <= kinds
     rs = _one(objs, "RayService")
     assert rs["metadata"]["name"] == "raystack"
     assert rs["spec"].get("serveConfigV2"), "the overlay must carry the generated serve-config.yaml"
@@ -189,28 +197,40 @@ def test_other_violations_are_rejected(kubectl: str, crds: CrdValidator) -> None
 def test_crd_schema_conversion_rules() -> None:
     import jsonschema
 
-    schema = crd_schema_to_jsonschema({
-        "type": "object",
-        "properties": {
-            "metadata": {"type": "object"},
-            "spec": {
-                "type": "object",
-                "required": ["size", "mode"],
-                "properties": {
-                    "size": {"type": "integer", "default": 1, "format": "int32"},
-                    "mode": {"type": "string", "enum": ["a", "b"], "nullable": True},
-                    "quantity": {"x-kubernetes-int-or-string": True,
-                                 "anyOf": [{"type": "integer"}, {"type": "string"}]},
-                    "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-                    "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-                    "tags": {"type": "array", "items": {"type": "string"}, "x-kubernetes-list-type": "set"},
+    schema = crd_schema_to_jsonschema(
+        {
+            "type": "object",
+            "properties": {
+                "metadata": {"type": "object"},
+                "spec": {
+                    "type": "object",
+                    "required": ["size", "mode"],
+                    "properties": {
+                        "size": {"type": "integer", "default": 1, "format": "int32"},
+                        "mode": {"type": "string", "enum": ["a", "b"], "nullable": True},
+                        "quantity": {
+                            "x-kubernetes-int-or-string": True,
+                            "anyOf": [{"type": "integer"}, {"type": "string"}],
+                        },
+                        "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                        "tags": {"type": "array", "items": {"type": "string"}, "x-kubernetes-list-type": "set"},
+                    },
                 },
             },
-        },
-    })  # fmt: skip
+        }
+    )
     v = jsonschema.Draft202012Validator(schema)
-    ok = {"metadata": {"name": "x"}, "spec": {"mode": None, "quantity": "500m", "free": {"any": {"thing": 1}},
-                                               "labels": {"a": "b"}, "tags": ["x", "y"]}}  # fmt: skip
+    ok = {
+        "metadata": {"name": "x"},
+        "spec": {
+            "mode": None,
+            "quantity": "500m",
+            "free": {"any": {"thing": 1}},
+            "labels": {"a": "b"},
+            "tags": ["x", "y"],
+        },
+    }
     assert list(v.iter_errors(ok)) == []  # size omitted: it has a default
     assert not v.is_valid({"metadata": {"name": "x"}, "spec": {"mode": "a", "extra": 1}})
     assert not v.is_valid({"metadata": {"name": "x"}, "spec": {"mode": "c"}})
@@ -304,11 +324,15 @@ def test_object_store_component(kubectl: str, crds: CrdValidator, tmp_path: Path
     overlay.mkdir()
     rel = Path(os.path.relpath(REPO / "k8s", overlay))
     (overlay / "serve-config.yaml").write_text(serve_config_patch(_stack_config(tmp_path, checkpoint_root=uri)))
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
-        "resources": [str(rel / "overlays" / "gpu-prod")],
-        "components": [str(rel / "components" / "object-store")],
-        "patches": [{"path": "serve-config.yaml"}],
-    }))  # fmt: skip
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "resources": [str(rel / "overlays" / "gpu-prod")],
+                "components": [str(rel / "components" / "object-store")],
+                "patches": [{"path": "serve-config.yaml"}],
+            }
+        )
+    )
     objs = kustomize_build(overlay, kubectl)
     assert [e for o in objs if o["apiVersion"].startswith(CUSTOM_GROUPS) for e in crds.validate(o)] == []
     assert not [o for o in objs if o["kind"] == "PersistentVolumeClaim"]

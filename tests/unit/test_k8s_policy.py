@@ -32,8 +32,15 @@ NAMESPACE = "raystack"
 CHECKPOINTS = "/mnt/checkpoints"
 API_KEYS_SECRET = "raystack-api-keys"
 TRAIN_ENTRYPOINT = "python -m training.train --model adder --version v2 --task add --root /mnt/checkpoints"
-PORT_PARAMS = ("port", "node-manager-port", "object-manager-port", "runtime-env-agent-port",
-               "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port")  # fmt: skip
+PORT_PARAMS = (
+    "port",
+    "node-manager-port",
+    "object-manager-port",
+    "runtime-env-agent-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "metrics-export-port",
+)
 DASHBOARD = 8265
 OPERATOR = ({"app.kubernetes.io/name": "kuberay-operator"}, {"kubernetes.io/metadata.name": "kuberay-system"})
 MONITORING_NS = {"kubernetes.io/metadata.name": "monitoring"}
@@ -55,8 +62,11 @@ def of_kind(overlay: str, *kinds: str) -> list[dict[str, Any]]:
 
 def cluster_spec(obj: dict[str, Any]) -> dict[str, Any]:
     spec = obj["spec"]
-    return {"RayService": lambda: spec["rayClusterConfig"], "RayJob": lambda: spec["rayClusterSpec"],
-            "RayCluster": lambda: spec}[obj["kind"]]()  # fmt: skip
+    return {
+        "RayService": lambda: spec["rayClusterConfig"],
+        "RayJob": lambda: spec["rayClusterSpec"],
+        "RayCluster": lambda: spec,
+    }[obj["kind"]]()
 
 
 def ray_groups(obj: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
@@ -381,8 +391,12 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
         return False
     for e in selector.get("matchExpressions", []):
         has, val = e["key"] in labels, labels.get(e["key"])
-        ok = {"In": has and val in e.get("values", []), "NotIn": not has or val not in e.get("values", []),
-              "Exists": has, "DoesNotExist": not has}[e["operator"]]  # fmt: skip
+        ok = {
+            "In": has and val in e.get("values", []),
+            "NotIn": not has or val not in e.get("values", []),
+            "Exists": has,
+            "DoesNotExist": not has,
+        }[e["operator"]]
         if not ok:
             return False
     return True
@@ -391,8 +405,10 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 def port_open(ports: list[dict[str, Any]] | None, port: int) -> bool:
     if not ports:
         return True
-    return any(p.get("protocol", "TCP") == "TCP" and "port" in p and p["port"] <= port <= p.get("endPort", p["port"])
-               for p in ports)  # fmt: skip
+    return any(
+        p.get("protocol", "TCP") == "TCP" and "port" in p and p["port"] <= port <= p.get("endPort", p["port"])
+        for p in ports
+    )
 
 
 def peer_matches(peer: dict[str, Any], labels: dict[str, str], ns: dict[str, str]) -> bool:
@@ -403,12 +419,19 @@ def peer_matches(peer: dict[str, Any], labels: dict[str, str], ns: dict[str, str
     return ns_ok and ("podSelector" not in peer or selects(peer["podSelector"], labels))
 
 
-def allowed(policies: list[dict[str, Any]], direction: str, subject: dict[str, str], peer: dict[str, str],
-            peer_ns: dict[str, str], port: int) -> bool:  # fmt: skip
+def allowed(
+    policies: list[dict[str, Any]],
+    direction: str,
+    subject: dict[str, str],
+    peer: dict[str, str],
+    peer_ns: dict[str, str],
+    port: int,
+) -> bool:
     """Is traffic on ``port`` allowed ``direction`` (Ingress: peer -> subject; Egress: subject -> peer)?"""
     key, peers_key = direction.lower(), "from" if direction == "Ingress" else "to"
-    selected = [p for p in policies
-                if direction in p["spec"]["policyTypes"] and selects(p["spec"]["podSelector"], subject)]
+    selected = [
+        p for p in policies if direction in p["spec"]["policyTypes"] and selects(p["spec"]["podSelector"], subject)
+    ]
     for pol in selected:
         for rule in pol["spec"].get(key, []):
             peers = rule.get(peers_key)
@@ -417,8 +440,13 @@ def allowed(policies: list[dict[str, Any]], direction: str, subject: dict[str, s
     return False
 
 
-def flow(policies: list[dict[str, Any]], src: dict[str, str], dst: dict[str, str], port: int,
-         src_ns: dict[str, str] | None = None) -> bool:  # fmt: skip
+def flow(
+    policies: list[dict[str, Any]],
+    src: dict[str, str],
+    dst: dict[str, str],
+    port: int,
+    src_ns: dict[str, str] | None = None,
+) -> bool:
     """Both ends agree: the source may send (egress) and the destination may receive (ingress)."""
     own = {"kubernetes.io/metadata.name": NAMESPACE}
     src_ns = src_ns or own
@@ -443,7 +471,10 @@ def required_ports(obj: dict[str, Any]) -> Iterator[tuple[str, str, int]]:
                 yield from ((where, "ephemeral (vLLM/NCCL)", x) for x in (lo, (lo + hi) // 2, hi))
     if obj["kind"] == "RayService":
         serve_config = yaml.safe_load(obj["spec"]["serveConfigV2"])
-        for what, port in (("gateway", gateway_port(serve_config)), ("Serve HTTP", serve_config["http_options"]["port"])):
+        for what, port in (
+            ("gateway", gateway_port(serve_config)),
+            ("Serve HTTP", serve_config["http_options"]["port"]),
+        ):
             yield from ((w, what, port) for w, _, _ in ray_groups(obj))
 
 
@@ -456,9 +487,14 @@ def gateway_port(serve_config: dict[str, Any]) -> int:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_default_deny(overlay: str) -> None:
-    deny = [p for p in of_kind(overlay, "NetworkPolicy")
-            if p["spec"]["podSelector"] == {} and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"}
-            and not p["spec"].get("ingress") and not p["spec"].get("egress")]  # fmt: skip
+    deny = [
+        p
+        for p in of_kind(overlay, "NetworkPolicy")
+        if p["spec"]["podSelector"] == {}
+        and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+        and not p["spec"].get("ingress")
+        and not p["spec"].get("egress")
+    ]
     assert deny, "a default-deny NetworkPolicy for all pods, both directions"
 
 
@@ -537,11 +573,21 @@ def test_training_and_serving_share_the_checkpoint_store(overlay: str) -> None:
 
 def _known_metrics() -> set[str]:
     """Prometheus names the stack exports: the issue's list plus serving/metrics.py's own."""
-    names = {"raystack_requests_total", "raystack_time_to_first_token_seconds", "raystack_inter_token_latency_seconds",
-             "raystack_request_latency_seconds", "raystack_prompt_tokens_total", "raystack_completion_tokens_total",
-             "raystack_in_flight_requests", "raystack_rate_limited_total", "raystack_retries_total",
-             "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
-             "ray_serve_deployment_replica_healthy"}  # fmt: skip
+    names = {
+        "raystack_requests_total",
+        "raystack_time_to_first_token_seconds",
+        "raystack_inter_token_latency_seconds",
+        "raystack_request_latency_seconds",
+        "raystack_prompt_tokens_total",
+        "raystack_completion_tokens_total",
+        "raystack_in_flight_requests",
+        "raystack_rate_limited_total",
+        "raystack_retries_total",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "ray_serve_deployment_replica_healthy",
+    }
     src = REPO / "serving" / "metrics.py"
     if src.is_file():
         for kind, name in re.findall(r"m\.(Counter|Gauge|Histogram)\(\s*\"(\w+)\"", src.read_text()):
@@ -571,8 +617,9 @@ def test_grafana_dashboard() -> None:
 def test_podmonitors_scrape_named_ports_that_exist(overlay: str) -> None:
     monitors = of_kind(overlay, "PodMonitor")
     assert monitors and all(m["apiVersion"] == "monitoring.coreos.com/v1" for m in monitors)
-    pods = [(pod_labels(g, t), g["template"]["spec"])
-            for o in of_kind(overlay, *RAY_KINDS) for _, t, g in ray_groups(o)]
+    pods = [
+        (pod_labels(g, t), g["template"]["spec"]) for o in of_kind(overlay, *RAY_KINDS) for _, t, g in ray_groups(o)
+    ]
     for m in monitors:
         matched = [spec for labels, spec in pods if selects(m["spec"]["selector"], labels)]
         assert matched, m["metadata"]["name"]

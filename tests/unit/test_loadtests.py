@@ -20,15 +20,32 @@ from loadtests.workload import RequestFactory, StreamMeter, outcome_of_body, sha
 from serving.config import EngineConfig, parse_config
 
 PCTS = ["50%", "66%", "75%", "80%", "90%", "95%", "98%", "99%", "99.9%", "99.99%", "100%"]
-STATS_COLS = ["Type", "Name", "Request Count", "Failure Count", "Median Response Time",
-              "Average Response Time", "Min Response Time", "Max Response Time", "Average Content Size",
-              "Requests/s", "Failures/s", *PCTS]  # fmt: skip
+STATS_COLS = [
+    "Type",
+    "Name",
+    "Request Count",
+    "Failure Count",
+    "Median Response Time",
+    "Average Response Time",
+    "Min Response Time",
+    "Max Response Time",
+    "Average Content Size",
+    "Requests/s",
+    "Failures/s",
+    *PCTS,
+]
 
 
 def _row(kind: str, name: str, n: int, fails: int, rps: float, size: float, p50: float, p99: float) -> dict[str, str]:
     row = dict.fromkeys(STATS_COLS, "0")
-    row |= {"Type": kind, "Name": name, "Request Count": str(n), "Failure Count": str(fails),
-            "Requests/s": str(rps), "Average Content Size": str(size)}  # fmt: skip
+    row |= {
+        "Type": kind,
+        "Name": name,
+        "Request Count": str(n),
+        "Failure Count": str(fails),
+        "Requests/s": str(rps),
+        "Average Content Size": str(size),
+    }
     for p in PCTS:
         row[p] = str(p99 if p in ("99%", "99.9%", "99.99%", "100%") else p50)
     return row
@@ -172,16 +189,38 @@ def test_slo_without_data_fails() -> None:
 
 
 def test_history_series_and_plot(tmp_path: Path) -> None:
-    cols = ["Timestamp", "User Count", "Type", "Name", "Requests/s", "Failures/s", *PCTS, "Total Request Count",
-            "Total Failure Count", "Total Median Response Time", "Total Average Response Time",
-            "Total Min Response Time", "Total Max Response Time", "Total Average Content Size"]  # fmt: skip
+    cols = [
+        "Timestamp",
+        "User Count",
+        "Type",
+        "Name",
+        "Requests/s",
+        "Failures/s",
+        *PCTS,
+        "Total Request Count",
+        "Total Failure Count",
+        "Total Median Response Time",
+        "Total Average Response Time",
+        "Total Min Response Time",
+        "Total Max Response Time",
+        "Total Average Content Size",
+    ]
     rows = []
     for i in range(6):
         base = dict.fromkeys(cols, "0") | {"Timestamp": str(1000 + i), "User Count": str(4)}
-        rows.append(base | {"Type": "POST", "Name": "chat adder", "Total Request Count": str(10 * i),
-                            "Total Average Content Size": "8.0", "Total Failure Count": "0"})  # fmt: skip
-        rows.append(base | {"Type": "TTFT", "Name": "ALL", "Total Request Count": str(10 * i),
-                            "50%": "40", "99%": "90"})  # fmt: skip
+        rows.append(
+            base
+            | {
+                "Type": "POST",
+                "Name": "chat adder",
+                "Total Request Count": str(10 * i),
+                "Total Average Content Size": "8.0",
+                "Total Failure Count": "0",
+            }
+        )
+        rows.append(
+            base | {"Type": "TTFT", "Name": "ALL", "Total Request Count": str(10 * i), "50%": "40", "99%": "90"}
+        )
     _write_csv(tmp_path / "locust_stats_history.csv", rows)
     s = history_series(rows)
     assert [v for _, v in s["requests/s"]][-1] == pytest.approx(10)
@@ -225,8 +264,14 @@ def test_rounds_alternate_the_order_and_report_medians() -> None:
     assert round_orders(["ours", "bare"], 3) == [["ours", "bare"], ["bare", "ours"], ["ours", "bare"]]
 
     def row(c: int, rps: float, ttft: float, fails: int = 0) -> dict[str, object]:
-        return {"concurrency": c, "requests_per_s": rps, "ttft_p50_ms": ttft, "failures": fails,
-                "load_before": 1.0, "cores_by_group": {"engine core": rps / 100}}  # fmt: skip
+        return {
+            "concurrency": c,
+            "requests_per_s": rps,
+            "ttft_p50_ms": ttft,
+            "failures": fails,
+            "load_before": 1.0,
+            "cores_by_group": {"engine core": rps / 100},
+        }
 
     rounds = [
         {"order": ["ours", "bare"], "results": {"ours": [row(8, 88.0, 20.0)], "bare": [row(8, 110.0, 14.0)]}},
@@ -234,9 +279,18 @@ def test_rounds_alternate_the_order_and_report_medians() -> None:
         {"order": ["ours", "bare"], "results": {"ours": [row(8, 95.0, 18.0)], "bare": [row(8, 90.0, 16.0)]}},
     ]
     med = median_rows([r["results"]["ours"] for r in rounds])
-    assert med == [{"concurrency": 8, "rounds": 3, "requests_per_s": 88.0, "ttft_p50_ms": 20.0, "failures": 1,
-                    "load_before": 1.0, "cores_by_group": {"engine core": 0.88},
-                    "requests_per_s_rounds": [88.0, 80.0, 95.0]}]  # fmt: skip
+    assert med == [
+        {
+            "concurrency": 8,
+            "rounds": 3,
+            "requests_per_s": 88.0,
+            "ttft_p50_ms": 20.0,
+            "failures": 1,
+            "load_before": 1.0,
+            "cores_by_group": {"engine core": 0.88},
+            "requests_per_s_rounds": [88.0, 80.0, 95.0],
+        }
+    ]
     lines = rounds_table(rounds).splitlines()
     assert lines[0] == "| round (order) | conc | ours req/s / bare | ours TTFT p50 - bare |"
     assert lines[2] == "| 1 (ours,bare) | 8 | 0.80x | +6 ms |"
@@ -305,8 +359,10 @@ def test_affinity_by_group_reads_the_real_processes() -> None:
 def test_cpu_table_lists_the_groups_seen() -> None:
     from loadtests.bench import cpu_table
 
-    rows = {"bare": [{"concurrency": 8, "cores_by_group": {"engine worker": 1.0, "vLLM API server": 0.5}}],
-            "ours": [{"concurrency": 8, "cores_by_group": {"engine worker": 0.9, "gateway replica": 0.3}}]}
+    rows = {
+        "bare": [{"concurrency": 8, "cores_by_group": {"engine worker": 1.0, "vLLM API server": 0.5}}],
+        "ours": [{"concurrency": 8, "cores_by_group": {"engine worker": 0.9, "gateway replica": 0.3}}],
+    }
     out = cpu_table(rows).splitlines()
     assert out[0] == "| server | conc | engine worker | vLLM API server | gateway replica | total |"
     assert out[2] == "| bare | 8 | 1.00 | 0.50 | 0.00 | 1.50 |"

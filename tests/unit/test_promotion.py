@@ -10,8 +10,15 @@ import pytest
 from serving.app import routing_user_config
 from serving.config import StackConfig, parse_config
 from serving.promotion import (
-    PromotionError, SloPolicy, VersionStats, apply_routes, compare, parse_stats, promote, rollback,
-)  # fmt: skip
+    PromotionError,
+    SloPolicy,
+    VersionStats,
+    apply_routes,
+    compare,
+    parse_stats,
+    promote,
+    rollback,
+)
 from serving.registry import CheckpointStore, hash_tree
 
 METRICS = """# HELP ray_raystack_requests_total x
@@ -39,8 +46,11 @@ def test_compare() -> None:
     assert "TTFT" in (compare(live, VersionStats(50, 0, 50.0, 50), p) or "")
 
 
-CFG = {"auth": {"mode": "open"}, "checkpoint_root": "/ck",
-       "models": [{"name": "calc", "versions": [{"version": "v1"}], "eval_gate": 0.9}]}  # fmt: skip
+CFG = {
+    "auth": {"mode": "open"},
+    "checkpoint_root": "/ck",
+    "models": [{"name": "calc", "versions": [{"version": "v1"}], "eval_gate": 0.9}],
+}
 
 
 class Recorder:
@@ -62,36 +72,60 @@ class Recorder:
         self.calls += 1
         n = self.calls * 20
         bad = self.errors_for_new * self.calls
-        return (f'ray_raystack_requests_total{{model="calc",status_class="2xx",version="v1"}} {n}\n'
-                f'ray_raystack_requests_total{{model="calc",status_class="2xx",version="v2"}} {n}\n'
-                f'ray_raystack_requests_total{{model="calc",status_class="5xx",version="v2"}} {bad}\n')
+        return (
+            f'ray_raystack_requests_total{{model="calc",status_class="2xx",version="v1"}} {n}\n'
+            f'ray_raystack_requests_total{{model="calc",status_class="2xx",version="v2"}} {n}\n'
+            f'ray_raystack_requests_total{{model="calc",status_class="5xx",version="v2"}} {bad}\n'
+        )
 
 
 def _store(tmp: Path, score: float) -> CheckpointStore:
     d = tmp / "calc" / "v2"
     d.mkdir(parents=True)
     (d / "config.json").write_text("{}")
-    manifest = {"model": "calc", "version": "v2", "task": "sub", "size": "tiny", "steps": 1,
-                "final_loss": 0.1, "eval": {"exact_match": score, "n": 100}, "files": hash_tree(d),
-                "created_at": "2026-11-30T00:00:00Z"}  # fmt: skip
+    manifest = {
+        "model": "calc",
+        "version": "v2",
+        "task": "sub",
+        "size": "tiny",
+        "steps": 1,
+        "final_loss": 0.1,
+        "eval": {"exact_match": score, "n": 100},
+        "files": hash_tree(d),
+        "created_at": "2026-11-30T00:00:00Z",
+    }
     (d / "manifest.json").write_text(json.dumps(manifest))
     return CheckpointStore(str(tmp))
 
 
 def _run(tmp_path: Path, deployer: Recorder, score: float = 0.99) -> object:
     cfg = parse_config(CFG)
-    return promote(cfg, "calc", "v2", store=_store(tmp_path / "ck", score), deployer=deployer,
-                   routes_file=tmp_path / "routes.json", base_url="http://127.0.0.1:1",
-                   policy=SloPolicy(step_seconds=0, warmup_requests=0, drain_seconds=0),
-                   sleep=lambda s: None, log=lambda m: None)  # fmt: skip
+    return promote(
+        cfg,
+        "calc",
+        "v2",
+        store=_store(tmp_path / "ck", score),
+        deployer=deployer,
+        routes_file=tmp_path / "routes.json",
+        base_url="http://127.0.0.1:1",
+        policy=SloPolicy(step_seconds=0, warmup_requests=0, drain_seconds=0),
+        sleep=lambda s: None,
+        log=lambda m: None,
+    )
 
 
 def test_successful_promotion_steps_and_routes_file(tmp_path: Path) -> None:
     d = Recorder()
     r = _run(tmp_path, d)
     assert r.status == "promoted", r.log
-    assert d.applied == [[("v1", 100), ("v2", 0)], [("v1", 90), ("v2", 10)], [("v1", 50), ("v2", 50)],
-                         [("v1", 0), ("v2", 100)], [("v2", 100), ("v1", 0)], [("v2", 100)]]  # fmt: skip
+    assert d.applied == [
+        [("v1", 100), ("v2", 0)],
+        [("v1", 90), ("v2", 10)],
+        [("v1", 50), ("v2", 50)],
+        [("v1", 0), ("v2", 100)],
+        [("v2", 100), ("v1", 0)],
+        [("v2", 100)],
+    ]
     assert json.loads((tmp_path / "routes.json").read_text()) == {"calc": [{"version": "v2", "weight": 100}]}
     live = apply_routes(parse_config(CFG), tmp_path / "routes.json")
     assert live.model("calc").live_version == "v2"
@@ -116,22 +150,44 @@ def test_below_gate_and_tampered_are_refused_before_any_deploy(tmp_path: Path) -
     assert _run(tmp_path / "a", d, score=0.5).status == "refused" and d.applied == []
     store = _store(tmp_path / "b", 0.99)
     (tmp_path / "b" / "calc" / "v2" / "config.json").write_text('{"tampered": 1}')
-    r = promote(parse_config(CFG), "calc", "v2", store=store, deployer=d, routes_file=tmp_path / "r.json",
-                base_url="x", sleep=lambda s: None, log=lambda m: None)  # fmt: skip
+    r = promote(
+        parse_config(CFG),
+        "calc",
+        "v2",
+        store=store,
+        deployer=d,
+        routes_file=tmp_path / "r.json",
+        base_url="x",
+        sleep=lambda s: None,
+        log=lambda m: None,
+    )
     assert r.status == "refused" and "config.json" in r.reason and d.applied == []
 
 
 def test_manual_rollback_and_refusals(tmp_path: Path) -> None:
-    cfg = parse_config({**CFG, "models": [{"name": "calc", "versions": [
-        {"version": "v1", "weight": 90}, {"version": "v2", "weight": 10}]}]})  # fmt: skip
+    cfg = parse_config(
+        {
+            **CFG,
+            "models": [
+                {"name": "calc", "versions": [{"version": "v1", "weight": 90}, {"version": "v2", "weight": 10}]}
+            ],
+        }
+    )
     d = Recorder()
     assert rollback(cfg, "calc", d, tmp_path / "r.json") == "v1"
     assert d.applied == [[("v1", 100)]]
     with pytest.raises(PromotionError):
         rollback(cfg, "calc", d, tmp_path / "r.json", to="v7")
     with pytest.raises(PromotionError):
-        promote(cfg, "calc", "v2", store=CheckpointStore(str(tmp_path)), deployer=d,
-                routes_file=tmp_path / "r.json", base_url="x")  # fmt: skip
+        promote(
+            cfg,
+            "calc",
+            "v2",
+            store=CheckpointStore(str(tmp_path)),
+            deployer=d,
+            routes_file=tmp_path / "r.json",
+            base_url="x",
+        )
 
 
 def test_a_promotion_step_changes_only_the_gateways_user_config() -> None:

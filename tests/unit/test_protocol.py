@@ -62,15 +62,18 @@ def test_model_rewrite_keeps_bytes_when_unchanged() -> None:
 def test_streams_always_ask_for_usage_upstream() -> None:
     p = parse_request(b'{"model": "a", "prompt": "1", "stream": true}', "completion")
     assert json.loads(p.upstream_body("a"))["stream_options"] == {"include_usage": True}
-    q = parse_request(b'{"model": "a", "prompt": "1", "stream": true, '
-                      b'"stream_options": {"include_usage": true}}', "completion")  # fmt: skip
+    q = parse_request(
+        b'{"model": "a", "prompt": "1", "stream": true, "stream_options": {"include_usage": true}}', "completion"
+    )
     assert q.upstream_body("a") is q.raw
 
 
-SSE = (b'data: {"choices":[{"delta":{"content":"4"}}]}\n\n'
-       b'data: {"choices":[{"delta":{"content":"2"}}]}\n\n'
-       b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}\n\n'
-       b"data: [DONE]\n\n")  # fmt: skip
+SSE = (
+    b'data: {"choices":[{"delta":{"content":"4"}}]}\n\n'
+    b'data: {"choices":[{"delta":{"content":"2"}}]}\n\n'
+    b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}\n\n'
+    b"data: [DONE]\n\n"
+)
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 50, len(SSE)])

@@ -78,9 +78,7 @@ def published(store: CheckpointStore, tmp_path: Path) -> CheckpointStore:
 def test_publish_writes_layout_and_manifest(published: CheckpointStore) -> None:
     fs, path = published.fs, published.version_path("adder", "v1")
     names = sorted(p[len(path) + 1 :] for p in fs.find(path))
-    assert names == [
-        "config.json", "manifest.json", "model.safetensors", "tokenizer/tokenizer.json"
-    ]
+    assert names == ["config.json", "manifest.json", "model.safetensors", "tokenizer/tokenizer.json"]
     raw = json.loads(fs.cat_file(f"{path}/manifest.json"))
     assert set(raw["files"]) == {"config.json", "model.safetensors", "tokenizer/tokenizer.json"}
     assert raw["created_at"].endswith("Z")

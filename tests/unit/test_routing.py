@@ -2,26 +2,32 @@ from __future__ import annotations
 
 import os
 import random
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
+from serving.config import EngineConfig, ModelConfig
 from serving.errors import NotFound
 from serving.gateway.routing import RoutingTable
 from serving.models.engine import EngineSpec, cpu_bind_groups, single_process, vllm_command, vllm_env
 from serving.models.routers import pick_by_session
-from serving.config import EngineConfig, ModelConfig
 
 TABLE = {
     "default_model": "adder",
     "models": [
-        {"name": "adder", "aliases": ["stable"], "max_model_len": 64,
-         "versions": [{"version": "v1", "weight": 90, "app": "adder--v1"},
-                      {"version": "v2", "weight": 10, "app": "adder--v2"}]},
+        {
+            "name": "adder",
+            "aliases": ["stable"],
+            "max_model_len": 64,
+            "versions": [
+                {"version": "v1", "weight": 90, "app": "adder--v1"},
+                {"version": "v2", "weight": 10, "app": "adder--v2"},
+            ],
+        },
         {"name": "sub", "max_model_len": 64, "versions": [{"version": "v1", "weight": 100, "app": "sub--v1"}]},
     ],
-}  # fmt: skip
+}
 
 
 def test_resolve_names_aliases_versions_and_default() -> None:
@@ -47,8 +53,18 @@ def test_weights_split_traffic() -> None:
 
 
 def test_zero_weight_version_gets_no_bare_traffic() -> None:
-    cfg = {**TABLE, "models": [{**TABLE["models"][0], "versions": [
-        {"version": "v1", "weight": 100, "app": "a1"}, {"version": "v2", "weight": 0, "app": "a2"}]}]}
+    cfg = {
+        **TABLE,
+        "models": [
+            {
+                **TABLE["models"][0],
+                "versions": [
+                    {"version": "v1", "weight": 100, "app": "a1"},
+                    {"version": "v2", "weight": 0, "app": "a2"},
+                ],
+            }
+        ],
+    }
     t = RoutingTable.from_user_config(cfg)
     assert {t.resolve("adder").version.version for _ in range(200)} == {"v1"}
     assert t.resolve("adder@v2").version.app == "a2"
@@ -59,15 +75,24 @@ def test_session_hashing_is_stable_and_spreads() -> None:
     assert pick_by_session("s-1", reps) == pick_by_session("s-1", list(reversed(reps)))
     assert len({pick_by_session(f"s-{i}", reps) for i in range(60)}) == 3
     # removing a replica moves only the sessions that were on it
-    moved = [i for i in range(200) if pick_by_session(f"s-{i}", reps) != "r3"
-             and pick_by_session(f"s-{i}", reps) != pick_by_session(f"s-{i}", reps[:2])]
+    moved = [
+        i
+        for i in range(200)
+        if pick_by_session(f"s-{i}", reps) != "r3"
+        and pick_by_session(f"s-{i}", reps) != pick_by_session(f"s-{i}", reps[:2])
+    ]
     assert moved == []
 
 
 def test_engine_command_and_env() -> None:
-    spec = EngineSpec(model="adder", version="v1", path="/ck/adder/v1",
-                      engine=EngineConfig(max_model_len=64, tensor_parallel_size=2,
-                                          extra_args={"enforce-eager": True, "block_size": 16}))  # fmt: skip
+    spec = EngineSpec(
+        model="adder",
+        version="v1",
+        path="/ck/adder/v1",
+        engine=EngineConfig(
+            max_model_len=64, tensor_parallel_size=2, extra_args={"enforce-eager": True, "block_size": 16}
+        ),
+    )
     cmd = vllm_command(spec, "127.0.0.1", 9000, "tok")
     assert cmd[:2] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--served-model-name") + 1] == "adder"
@@ -96,21 +121,22 @@ def test_engines_of_one_node_get_cores_apart(tmp_path: Path) -> None:
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert claim_cores(1, sleeper.pid, [0, 1], ledger) == [0]
-        assert claim_cores(1, me, [0, 1], ledger) == [1]          # the free core, not vLLM's default 0
-        assert claim_cores(1, dead.pid, [0, 1], ledger) == [0]    # both taken once: least used, lowest
+        assert claim_cores(1, me, [0, 1], ledger) == [1]  # the free core, not vLLM's default 0
+        assert claim_cores(1, dead.pid, [0, 1], ledger) == [0]  # both taken once: least used, lowest
         # had the dead claim on 0 counted, core 1 would be the less used one
         assert claim_cores(1, dead.pid + 10**6, [0, 1], ledger) == [0]
-        assert claim_cores(4, me, [0, 1], ledger) == [0, 1]       # never more than the node has
+        assert claim_cores(4, me, [0, 1], ledger) == [0, 1]  # never more than the node has
         wide = tmp_path / "wide.json"
         assert claim_cores(2, sleeper.pid, [0, 1, 2, 3], wide) == [0, 1]
-        assert claim_cores(2, me, [0, 1, 2, 3], wide) == [2, 3]   # cpus_per_rank 2: two cores each
+        assert claim_cores(2, me, [0, 1, 2, 3], wide) == [2, 3]  # cpus_per_rank 2: two cores each
     finally:
         sleeper.kill()
         sleeper.wait()
     spec = EngineSpec(model="m", version="v1", path="/p", engine=EngineConfig(tensor_parallel_size=2))
     assert vllm_env(spec, [2, 3])["VLLM_CPU_OMP_THREADS_BIND"] == "2|3"
-    mp = EngineSpec(model="m", version="v1", path="/p",
-                    engine=EngineConfig(extra_args={"distributed_executor_backend": "mp"}))  # fmt: skip
+    mp = EngineSpec(
+        model="m", version="v1", path="/p", engine=EngineConfig(extra_args={"distributed_executor_backend": "mp"})
+    )
     assert vllm_env(mp, [1])["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env(mp)  # no ledger: vLLM's own choice
 
@@ -127,8 +153,12 @@ def test_one_rank_cpu_engines_run_in_one_process() -> None:
     assert "VLLM_CPU_OMP_THREADS_BIND" not in env
     # an executor named in extra_args wins, given once
     for backend in ("mp", "uni"):
-        named = EngineSpec(model="m", version="v1", path="/p",
-                           engine=EngineConfig(extra_args={"distributed-executor-backend": backend}))  # fmt: skip
+        named = EngineSpec(
+            model="m",
+            version="v1",
+            path="/p",
+            engine=EngineConfig(extra_args={"distributed-executor-backend": backend}),
+        )
         cmd = vllm_command(named, "127.0.0.1", 9000, "tok")
         assert cmd.count("--distributed-executor-backend") == 1
         assert ("VLLM_ENABLE_V1_MULTIPROCESSING" in vllm_env(named)) == (backend == "uni")
@@ -153,7 +183,9 @@ def test_layout_checks() -> None:
 
     hf = {"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 3}
     check_layout(_model(tensor_parallel_size=2), hf, 8, None)
-    with pytest.raises(ConfigError, match=r"models\[m\].engine.tensor_parallel_size: 3 does not divide num_attention_heads=4"):
+    with pytest.raises(
+        ConfigError, match=r"models\[m\].engine.tensor_parallel_size: 3 does not divide num_attention_heads=4"
+    ):
         check_layout(_model(tensor_parallel_size=3), hf, 8, None)
     with pytest.raises(ConfigError, match="pipeline_parallel_size: 4 stages but only 3 layers"):
         check_layout(_model(pipeline_parallel_size=4), hf, 8, None)
@@ -165,8 +197,13 @@ def test_gateway_autoscaling_renders() -> None:
     from serving.app import build_serve_config
     from serving.config import parse_config
 
-    cfg = parse_config({"auth": {"mode": "open"}, "gateway": {"autoscaling": {"min_replicas": 1, "max_replicas": 4}},
-                        "models": [{"name": "m", "versions": [{"version": "v1"}]}]})  # fmt: skip
+    cfg = parse_config(
+        {
+            "auth": {"mode": "open"},
+            "gateway": {"autoscaling": {"min_replicas": 1, "max_replicas": 4}},
+            "models": [{"name": "m", "versions": [{"version": "v1"}]}],
+        }
+    )
     gw = build_serve_config(cfg)["applications"][0]["deployments"][0]
     assert gw["autoscaling_config"]["max_replicas"] == 4 and "num_replicas" not in gw
 
@@ -181,11 +218,14 @@ def test_single_process_engine_is_pinned_apart_from_its_api_server(tmp_path: Pat
 
     cpus = sorted(os.sched_getaffinity(0))
     assert len(cpus) >= 2, "the pinning test needs two cores (CI has two)"
-    child = (
-        "import ctypes, time; ctypes.CDLL(None).prctl(15, b'VLLM::EngineCore', 0, 0, 0); time.sleep(60)"
+    child = "import ctypes, time; ctypes.CDLL(None).prctl(15, b'VLLM::EngineCore', 0, 0, 0); time.sleep(60)"
+    api = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)",
+        ]
     )
-    api = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
-                            f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"])  # fmt: skip
     ledger = tmp_path / "cores.json"
     try:
         deadline = time.monotonic() + 20
