@@ -21,7 +21,7 @@ COPY --chown=1000:100 training ./training
 # torchaudio and torchcodec do not import beside that torch and break transformers: remove them.
 RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu ".[cpu]" \
     && (pip uninstall -y torchvision torchaudio torchcodec || true) \
-    && python -c "import serving.app, training, vllm, ray; assert ray.__version__ == '2.60.0', ray.__version__"
+    && python -c "import serving.control.serve_config, training, vllm, ray; assert ray.__version__ == '2.60.0', ray.__version__"
 ENV RAY_USAGE_STATS_ENABLED=0 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
@@ -38,7 +38,7 @@ COPY --chown=1000:100 serving ./serving
 COPY --chown=1000:100 training ./training
 # `.[gpu]` is ray[llm]==2.60.0, which the base image satisfies: pip keeps its vllm and torch.
 RUN pip install --no-cache-dir ".[gpu]" \
-    && python -c "import serving.app, training, vllm, ray; assert ray.__version__ == '2.60.0', ray.__version__"
+    && python -c "import serving.control.serve_config, training, vllm, ray; assert ray.__version__ == '2.60.0', ray.__version__"
 ENV RAY_USAGE_STATS_ENABLED=0 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \

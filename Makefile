@@ -47,6 +47,8 @@ status:
 check: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # Unit first, then the integration stack, then the e2e stacks (one stack at a time on 2 cores).
 test: install tools check

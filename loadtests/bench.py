@@ -62,7 +62,10 @@ def prompt_pool(model_dir: str, tokens: int, n: int = 256, seed: int = 0) -> lis
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(seed)
-    count = lambda s: len(tok(s)["input_ids"])  # noqa: E731
+
+    def count(s: str) -> int:
+        return len(tok(s)["input_ids"])
+
     pool = []
     for _ in range(n):
         text = random_text(rng, tokens * 4)

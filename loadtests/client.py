@@ -18,7 +18,7 @@ import httpx
 
 from loadtests.workload import Outcome, StreamMeter, outcome_of_body
 
-__all__ = ["LevelResult", "percentile", "run_level", "send"]
+__all__ = ["LevelResult", "ms", "percentile", "run_level", "send"]
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -28,6 +28,11 @@ def percentile(values: list[float], q: float) -> float | None:
     s = sorted(values)
     k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
     return s[k]
+
+
+def ms(seconds: float | None) -> float | None:
+    """Seconds as milliseconds (None stays None)."""
+    return None if seconds is None else seconds * 1000
 
 
 @dataclass
@@ -54,7 +59,6 @@ class LevelResult:
     @classmethod
     def of(cls, concurrency: int, outs: list[Outcome], wall_s: float, client_cpu_s: float = 0.0) -> LevelResult:
         ok = [o for o in outs if o.ok]
-        ms = lambda v: None if v is None else v * 1000  # noqa: E731
         ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
         itl = [o.itl_s for o in ok if o.itl_s is not None]
         tokens = sum(o.tokens for o in ok)

@@ -5,7 +5,7 @@
 
 Starts two processes: a synthetic model replica (an asyncio HTTP server that answers every
 completion with ``--chunks`` vLLM-shaped SSE events 1 ms apart, a usage event and ``[DONE]``)
-and one gateway: this repository's gateway app (``serving.gateway.api.create_api`` over
+and one gateway: this repository's gateway app (``serving.gateway.routes.create_api`` over
 ``GatewayCore``) on its own listener (uvicorn, as in a gateway replica), with the replica as its
 only upstream and auth off. Closed-loop streaming clients (``loadtests.client``) then send
 ``--requests`` requests, ``--repeats`` times, and the script prints the gateway process's CPU per
@@ -117,9 +117,9 @@ def gateway(port: int, upstream: str) -> None:
     """This checkout's gateway app (or ``--code``'s) with one fixed upstream replica."""
     import uvloop
 
-    from serving.gateway.api import create_api
     from serving.gateway.core import GatewayCore, GatewaySettings
-    from serving.gateway.direct import DirectListener
+    from serving.gateway.listener import Listener
+    from serving.gateway.routes import create_api
 
     async def serve() -> None:
         leases = OneReplica(upstream)
@@ -132,7 +132,7 @@ def gateway(port: int, upstream: str) -> None:
                 ],
             }
         )
-        await DirectListener(create_api(core), "127.0.0.1", port).start()
+        await Listener(create_api(core), "127.0.0.1", port).start()
         await asyncio.Event().wait()
 
     uvloop.run(serve())
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     from loadtests.client import run_level
     from loadtests.cpuprof import cpu_seconds
     from loadtests.servers import wait_serving
-    from serving.models.server import free_port
+    from serving.replica.server import free_port
 
     replica_port, gateway_port = free_port(), free_port()
     me = [

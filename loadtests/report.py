@@ -49,7 +49,7 @@ def history_series(rows: list[dict[str, str]]) -> dict[str, list[tuple[float, fl
     out: dict[str, list[tuple[float, float | None]]] = {"users": [(t - t0, u) for t, u in sorted(users.items())]}
     ts = sorted(posts)
     for key, i in (("requests/s", 0), ("tokens/s", 1), ("errors/s", 2)):
-        series = []
+        series: list[tuple[float, float | None]] = []
         for a, b in zip(ts, ts[1:], strict=False):
             series.append((b - t0, (posts[b][i] - posts[a][i]) / (b - a)))
         out[key] = _smooth(series, 3)

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from loadtests.report import format_summary, plot_history
@@ -53,7 +54,7 @@ def run_scenario(
     api_key: str | None,
     duration_s: float | None,
     model: str | None = None,
-    log=print,
+    log: Callable[[str], None] = print,
 ) -> int:
     """Run ``scenario`` (name or path) against ``base_url``; write reports to ``out_dir``.
 

@@ -1,16 +1,16 @@
 """The servers the benchmark compares, each started and stopped by the benchmark itself.
 
 - ``bare``: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``), with the
-  command line our model replicas use (:func:`serving.models.engine.vllm_command`), so the engine
+  command line our model replicas use (:func:`serving.replica.engine.vllm_command`), so the engine
   arguments are the same by construction (on CPU with one rank that includes the single-process
-  executor, :func:`serving.models.engine.single_process`).
+  executor, :func:`serving.replica.engine.single_process`).
 - ``bare-mp``: the same with vLLM's own CPU default, the multiprocess executor (a separate worker
   process): what a user of vLLM gets without that tuning.
 - ``rayllm``: stock ``ray.serve.llm.build_openai_app`` on a private local Ray
   (:mod:`loadtests.rayllm_app`), the same engine arguments as ``engine_kwargs``.
 - ``ours``: this project's stack through ``serving up`` / ``serving down`` with a generated stack
   config (auth open) pointing at the same model directory; the gateway replicas serve the port
-  themselves (``gateway.ingress: direct``) and pick model replicas themselves
+  themselves (``gateway.ingress: listener``) and pick model replicas themselves
   (``gateway.replica_routing: direct``), the defaults.
 - ``ours-lease``: the same with one Serve lease call per request (``replica_routing: serve``, the
   design of session 2).
@@ -43,16 +43,8 @@ import httpx
 import yaml
 
 from serving.config import EngineConfig
-from serving.models.engine import (
-    EngineSpec,
-    claim_cores,
-    engine_core_pid,
-    pin_single_process,
-    single_process,
-    spare_cores,
-    vllm_command,
-    vllm_env,
-)
+from serving.replica.engine import EngineSpec, single_process, vllm_command, vllm_env
+from serving.replica.placement import claim_cores, engine_core_pid, pin_single_process, spare_cores
 
 __all__ = ["HA_ENV", "BenchModel", "Server", "make_server", "running"]
 
@@ -270,7 +262,7 @@ class Server:
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def _start_ours(self, timeout_s: float) -> None:
-        ingress = "direct" if self.kind in ("ours", "ours-lease") else "serve_proxy"
+        ingress = "listener" if self.kind in ("ours", "ours-lease") else "serve_proxy"
         routing = "direct" if self.kind == "ours" else "serve"
         cfg = our_stack_config(self.model, self.port, ingress=ingress, replica_routing=routing, **self.stack)
         self.config_path = (self.log_dir / f"stack-{cfg['name']}.yaml").resolve()  # serving runs in ROOT
@@ -310,7 +302,7 @@ def our_stack_config(
     port: int,
     replicas: int = 1,
     router: str = "power_of_two",
-    ingress: str = "direct",
+    ingress: str = "listener",
     replica_routing: str = "direct",
     name: str = "bench",
     gcs_port: int = 6393,

@@ -1,7 +1,7 @@
 """The stack config: one YAML file per environment, validated here, used everywhere.
 
 One config, one path: ``deployments/<env>.yaml`` -> :class:`StackConfig` -> the Serve config
-(:mod:`serving.app`) that runs locally *and* is rendered into the RayService ``serveConfigV2``.
+(:mod:`serving.control.serve_config`) that runs locally *and* is rendered into the RayService ``serveConfigV2``.
 Every model rejects unknown fields, so a typo fails loudly with the file and field named.
 """
 
@@ -193,16 +193,16 @@ class GatewayConfig(_Strict):
 
     host: str = Field("127.0.0.1", description="Bind address (0.0.0.0 on Kubernetes).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI API.")
-    ingress: Literal["direct", "serve_proxy"] = Field(
-        "direct",
-        description="direct: each gateway replica serves `port` itself (SO_REUSEPORT), one Python hop "
+    ingress: Literal["listener", "serve_proxy"] = Field(
+        "listener",
+        description="listener: each gateway replica serves `port` itself (SO_REUSEPORT), one Python hop "
         "per token; serve_proxy: Ray Serve's HTTP proxy serves `port` (slower, docs/performance.md).",
     )
     proxy_port: int | None = Field(
         None,
         ge=1,
         le=65535,
-        description="Port of Ray Serve's own HTTP proxy when ingress is direct (health only); default port+1.",
+        description="Port of Ray Serve's own HTTP proxy when ingress is listener (health only); default port+1.",
     )
     replica_routing: Literal["direct", "serve"] = Field(
         "direct",
@@ -227,7 +227,7 @@ class GatewayConfig(_Strict):
 
     @model_validator(mode="after")
     def _ports(self) -> GatewayConfig:
-        if self.ingress == "direct" and self.serve_proxy_port == self.port:
+        if self.ingress == "listener" and self.serve_proxy_port == self.port:
             raise ValueError("proxy_port must differ from port (the gateway replicas listen on port)")
         return self
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 __all__ = [
+    "unavailable",
     "AuthenticationError",
     "BodyTooLarge",
     "GatewayError",
@@ -85,6 +86,11 @@ class RateLimited(GatewayError):
 
 class Unavailable(GatewayError):
     status, type = 503, "service_unavailable"
+
+
+def unavailable(message: str, retry_after: int = 1) -> Unavailable:
+    """A 503 that tells the client when to retry."""
+    return Unavailable(message, headers={"retry-after": str(retry_after)})
 
 
 class UpstreamError(GatewayError):

@@ -36,7 +36,7 @@ class Stack:
 
 
 def _keys() -> dict[str, str]:
-    from serving.gateway.auth import new_key
+    from serving.gateway.admission.auth import new_key
 
     names = ("main", "limited", "tokens", "hashed")
     saved = {n: os.environ.get(f"ITEST_KEY_{n.upper()}") for n in names}
@@ -44,7 +44,7 @@ def _keys() -> dict[str, str]:
 
 
 def _write_config(keys: dict[str, str]) -> Path:
-    from serving.gateway.auth import hash_key
+    from serving.gateway.admission.auth import hash_key
 
     data = yaml.safe_load(TEMPLATE.read_text())
     for t in data["auth"]["tenants"]:

@@ -218,7 +218,7 @@ def _finish(
 
     def write_hf(directory: Path) -> None:
         hf = directory / HF_DIR
-        model.to("cpu").save_pretrained(hf)
+        model.cpu().save_pretrained(hf)
         save_tokenizer(hf)
         (directory / RESULT_FILE).write_text(json.dumps(result))
 

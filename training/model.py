@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final, cast
 
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -67,7 +67,7 @@ def model_config(size: str) -> LlamaConfig:
         eos_token_id=VOCAB[EOS],
         pad_token_id=VOCAB[PAD],
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
 
 
@@ -115,7 +115,8 @@ def greedy_answers(model: LlamaForCausalLM, prompts: Sequence[str], batch_size: 
         ids = torch.tensor([[VOCAB[PAD]] * (width - len(c)) + c for c in chunk])
         pads = torch.tensor([width - len(c) for c in chunk])
         mask = (torch.arange(width) >= pads[:, None]).long()
-        generated = model.generate(
+        # transformers types ``generate`` through a decorator whose ``self`` mypy cannot bind
+        generated = cast(Any, model).generate(
             input_ids=ids.to(model.device),
             attention_mask=mask.to(model.device),
             max_new_tokens=MAX_ANSWER_TOKENS,

@@ -11,19 +11,20 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from serving.errors import NotFound, Unavailable
-from serving.gateway.auth import Authenticator, Tenant
-from serving.gateway.proxy import Lease, Upstream, UpstreamResult, forward
-from serving.gateway.quota import QuotaClient
+from serving.contract import LeaseHint
+from serving.errors import NotFound, RateLimited, unavailable
+from serving.gateway.admission.auth import Authenticator, Tenant
+from serving.gateway.admission.quota import QuotaClient
+from serving.gateway.protocol import ParsedRequest, StreamTap, usage_of
+from serving.gateway.relay import Upstream, UpstreamResult, forward
+from serving.gateway.replicas import Lease, LeaseProvider
 from serving.gateway.routing import Resolved, RoutingTable
-from serving.models.server import LeaseHint
-from serving.protocol import ParsedRequest, StreamTap, usage_of
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["Exchange", "GatewayCore", "GatewaySettings", "LeaseProvider", "unavailable"]
+__all__ = ["Exchange", "GatewayCore", "GatewaySettings"]
 
 
 @dataclass(frozen=True)
@@ -36,17 +37,7 @@ class GatewaySettings:
     replica_id: str = ""
     # Ray Serve's proxy already echoes x-request-id on responses; plain ASGI use needs it added.
     set_request_id_header: bool = True
-    replica_routing: str = "direct"  # direct | serve (serving.endpoints)
-
-
-class LeaseProvider(Protocol):
-    async def lease(self, app: str, hint: LeaseHint, timeout_s: float, limit: int = 0) -> Lease: ...
-
-    async def ready(self, app: str, timeout_s: float) -> bool: ...
-
-
-def unavailable(message: str, retry_after: int = 1) -> Unavailable:
-    return Unavailable(message, headers={"retry-after": str(retry_after)})
+    replica_routing: str = "direct"  # direct | serve (serving.gateway.replicas)
 
 
 class Exchange:
@@ -165,8 +156,8 @@ class GatewayCore:
         """Admit (quota, shedding), forward with failover; returns the result and extra headers."""
         try:
             limit_headers = await self.quota.admit(tenant.name, tenant.rpm, tenant.tpm)
-        except Exception as exc:
-            if self.metrics and getattr(exc, "status", 0) == 429:
+        except RateLimited as exc:
+            if self.metrics:
                 self.metrics.rate_limited.inc(tags={"tenant": tenant.name, "limit": str(exc.code)})
             raise
         model = resolved.model.name

@@ -56,7 +56,7 @@ def test_bench_measures_each_server_in_alternating_rounds(tmp_path: Path) -> Non
             assert [r["concurrency"] for r in rows] == [1, 4]
             assert all(r["failures"] == 0 and r["requests_per_s"] > 0 and r["ttft_p50_ms"] > 0 for r in rows)
             # one single-process engine on a 2-core node: EngineCore alone on its claimed core,
-            # the API server on the other (serving.models.engine.pin_single_process)
+            # the API server on the other (serving.replica.engine.pin_single_process)
             placed = rows[0]["affinity"]
             assert len(placed["engine core"]) == 1, placed
             assert placed["vLLM API server"] and not set(placed["engine core"]) & set(placed["vLLM API server"])

@@ -214,10 +214,10 @@ def test_gateway_restart_keeps_the_port_answering(stack: Stack) -> None:
     """A gateway change that Serve applies by restarting the (single) gateway replica, here new
     settings, under load: the replacement starts before the old replica stops (max_surge_percent),
     so the port the gateway replicas serve themselves never refuses a connection."""
-    from serving.app import build_serve_config
     from serving.config import load_config
-    from serving.promotion import apply_routes, routes_path
-    from serving.stack import StackState, deploy, serve_status
+    from serving.control.promotion import apply_routes, routes_path
+    from serving.control.serve_config import build_serve_config
+    from serving.control.stack import StackState, deploy, serve_status
 
     cfg = apply_routes(load_config(stack.config), routes_path(ROOT / ".run", "promotest"))
     state = StackState.load(cfg.name)

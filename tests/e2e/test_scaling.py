@@ -27,7 +27,7 @@ def stack() -> Iterator[Stack]:
 def _running(stack: Stack, states: tuple[str, ...] = ("RUNNING",)) -> dict[str, int]:
     """Replicas per application in the given states (as Serve reports them)."""
     from serving.config import load_config
-    from serving.stack import StackState, serve_status
+    from serving.control.stack import StackState, serve_status
 
     state = StackState.load(load_config(stack.config).name)
     assert state is not None

@@ -26,7 +26,7 @@ def _replica_pids(app: str) -> list[int]:
 def _wait_replicas(stack: Stack, app: str, n: int, timeout: float) -> None:
     """Wait until Serve reports ``n`` RUNNING replicas of ``app`` (engine started and healthy)."""
     from serving.config import load_config
-    from serving.stack import StackState, serve_status
+    from serving.control.stack import StackState, serve_status
 
     state = StackState.load(load_config(stack.config).name)
     assert state is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from serving.config import load_config
-from serving.stack import StackState
+from serving.control.stack import StackState
 from tests.conftest import Stack
 
 

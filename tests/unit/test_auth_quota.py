@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from serving.errors import AuthenticationError
-from serving.gateway.auth import ANONYMOUS, Authenticator, hash_key, new_key
-from serving.gateway.quota import WindowCounter, rate_limit_headers
+from serving.gateway.admission.auth import ANONYMOUS, Authenticator, hash_key, new_key
+from serving.gateway.admission.quota import WindowCounter, rate_limit_headers
 
 
 def test_hashed_and_env_keys(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving.app import build_serve_config, routing_user_config
 from serving.config import ConfigError, load_config, parse_config
+from serving.control.serve_config import build_serve_config, routing_user_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = {"name": "adder", "versions": [{"version": "v1"}]}
@@ -130,7 +130,7 @@ def test_relative_checkpoint_paths_resolve_from_the_config_folder() -> None:
 
 
 def test_configuration_reference_is_current() -> None:
-    from serving.reference import config_reference
+    from serving.control.reference import config_reference
 
     doc = (ROOT / "docs" / "configuration.md").read_text()
     assert doc == config_reference(), "run: serving config-reference > docs/configuration.md"

@@ -8,9 +8,10 @@ from collections import Counter
 
 import pytest
 
-from serving.endpoints import EndpointTable, Record, publish, read_records, withdraw
-from serving.models.server import LeaseHint, free_port
-from tests.unit.loopback import http_replica
+from serving.contract import LeaseHint, Record, publish, read_records, withdraw
+from serving.gateway.replicas import EndpointTable
+from serving.replica.server import free_port
+from tests.support.loopback import http_replica
 
 
 class DictKV:
@@ -121,7 +122,7 @@ def test_stale_heartbeat_drops_the_replica_and_tells_its_streams() -> None:
 async def test_gateways_delete_records_of_replicas_killed_long_ago() -> None:
     import time
 
-    from serving import endpoints
+    from serving.gateway import replicas as endpoints
 
     kv = DictKV()
     publish(kv, "a", "killed", "http://x:1", "t", now=time.time() - endpoints.PURGE_S - 1)
@@ -142,7 +143,7 @@ async def test_gateways_delete_records_of_replicas_killed_long_ago() -> None:
 
 async def test_serve_leases_pick_directly_and_fall_back_to_serve() -> None:
     """No Ray call when a replica is known; Serve's handle for hints, unknown apps and full replicas."""
-    from serving.gateway.deployment import ServeLeases
+    from serving.gateway.replicas import ReplicaFinder
 
     calls: list[str] = []
 
@@ -151,7 +152,7 @@ async def test_serve_leases_pick_directly_and_fall_back_to_serve() -> None:
             self.app = app
 
         async def __anext__(self) -> object:
-            from serving.models.server import Endpoint
+            from serving.contract import Endpoint
 
             return Endpoint("http://serve-picked:1", "tok", f"serve-{self.app}")
 
@@ -170,7 +171,7 @@ async def test_serve_leases_pick_directly_and_fall_back_to_serve() -> None:
 
     kv = DictKV()
     publish(kv, "a--v1", "r1", "http://10.0.0.1:9001", "t1")
-    leases = ServeLeases(direct=True, kv=kv)
+    leases = ReplicaFinder(direct=True, kv=kv)
     leases._handles = {"a--v1": handle("a--v1"), "cold--v1": handle("cold--v1")}  # type: ignore[dict-item]
     leases.start()
     try:
@@ -190,7 +191,7 @@ async def test_serve_leases_pick_directly_and_fall_back_to_serve() -> None:
             lease.release()
     finally:
         leases.stop()
-    assert ServeLeases(direct=False).table is None  # replica_routing: serve
+    assert ReplicaFinder(direct=False).table is None  # replica_routing: serve
 
 
 @pytest.mark.parametrize("failed", [True, False])
@@ -199,7 +200,7 @@ async def test_forward_marks_a_replica_that_failed_before_the_first_byte(failed:
     for a while; a replica that answered keeps its place."""
     from aiohttp import web
 
-    from serving.gateway.proxy import Upstream, forward
+    from serving.gateway.relay import Upstream, forward
 
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"choices": [{"text": "1"}]})
@@ -245,7 +246,7 @@ async def test_a_stream_from_a_replica_whose_heartbeat_stopped_ends_with_an_erro
     and the client gets the tokens so far plus an SSE error event instead of a hang."""
     from aiohttp import web
 
-    from serving.gateway.proxy import Upstream, forward
+    from serving.gateway.relay import Upstream, forward
 
     release = asyncio.Event()
 

@@ -15,11 +15,11 @@ import httpx
 from aiohttp import web
 
 from loadtests.relay import OneReplica
-from serving.gateway.api import create_api
 from serving.gateway.core import GatewayCore, GatewaySettings
-from serving.gateway.direct import DirectListener
-from serving.models.server import free_port
-from tests.unit.loopback import http_replica
+from serving.gateway.listener import Listener
+from serving.gateway.routes import create_api
+from serving.replica.server import free_port
+from tests.support.loopback import http_replica
 
 TOKENS = 40
 
@@ -70,7 +70,7 @@ async def _stack(gap_s: float) -> AsyncIterator[tuple[str, Replica, OneReplica, 
             }
         )
         port = free_port()
-        listener = DirectListener(create_api(core, set_request_id_header=True), "127.0.0.1", port, drain_s=2)
+        listener = Listener(create_api(core, set_request_id_header=True), "127.0.0.1", port, drain_s=2)
         await listener.start()
         try:
             yield f"http://127.0.0.1:{port}", replica, leases, core

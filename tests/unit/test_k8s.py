@@ -18,15 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from serving.app import build_serve_config
 from serving.config import load_config
-from serving.k8s import (
-    CrdValidator,
+from serving.control.k8s import (
     K8sError,
-    crd_schema_to_jsonschema,
-    find_crd_dir,
-    find_kubectl,
-    kustomize_build,
     overlay_envs,
     render_overlays,
     render_serve_config_v2,
@@ -34,6 +28,8 @@ from serving.k8s import (
     stale_k8s,
     write_k8s,
 )
+from serving.control.serve_config import build_serve_config
+from tests.support.manifests import CrdValidator, crd_schema_to_jsonschema, find_crd_dir, find_kubectl, kustomize_build
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS_DIR = REPO / "k8s" / "overlays"

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from serving.config import load_config
-from serving.k8s import find_kubectl, kustomize_build
+from tests.support.manifests import find_kubectl, kustomize_build
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS_DIR = REPO / "k8s" / "overlays"

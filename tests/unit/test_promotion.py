@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.app import routing_user_config
 from serving.config import StackConfig, parse_config
-from serving.promotion import (
+from serving.control.promotion import (
     PromotionError,
     SloPolicy,
     VersionStats,
@@ -19,6 +18,7 @@ from serving.promotion import (
     promote,
     rollback,
 )
+from serving.control.serve_config import routing_user_config
 from serving.registry import CheckpointStore, hash_tree
 
 METRICS = """# HELP ray_raystack_requests_total x
@@ -194,9 +194,9 @@ def test_a_promotion_step_changes_only_the_gateways_user_config() -> None:
     """Serve restarts a deployment whose app args change; the gateway must only be reconfigured.
     (Found by the promotion e2e: a default ``600`` became ``600.0`` after re-validation, Serve
     rebuilt the gateway app, and with one gateway replica the port refused connections meanwhile.)"""
-    from serving.app import build_serve_config
     from serving.config import load_config
-    from serving.promotion import _with_versions
+    from serving.control.promotion import _with_versions
+    from serving.control.serve_config import build_serve_config
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "deployments" / "local.yaml")
     model = cfg.models[0]

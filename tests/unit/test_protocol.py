@@ -5,7 +5,7 @@ import json
 import pytest
 
 from serving.errors import InvalidRequest
-from serving.protocol import StreamTap, normalize_upstream_error, parse_request, usage_of
+from serving.gateway.protocol import StreamTap, normalize_upstream_error, parse_request, usage_of
 
 MSG = [{"role": "user", "content": "1+1="}]
 

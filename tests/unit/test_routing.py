@@ -10,8 +10,9 @@ import pytest
 from serving.config import EngineConfig, ModelConfig
 from serving.errors import NotFound
 from serving.gateway.routing import RoutingTable
-from serving.models.engine import EngineSpec, cpu_bind_groups, single_process, vllm_command, vllm_env
-from serving.models.routers import pick_by_session
+from serving.replica.engine import EngineSpec, single_process, vllm_command, vllm_env
+from serving.replica.placement import cpu_bind_groups
+from serving.replica.routers import pick_by_session
 
 TABLE = {
     "default_model": "adder",
@@ -112,7 +113,7 @@ def test_engines_of_one_node_get_cores_apart(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from serving.models.engine import claim_cores
+    from serving.replica.placement import claim_cores
 
     ledger = tmp_path / "cores.json"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -179,7 +180,7 @@ def _model(**engine: object) -> ModelConfig:
 
 def test_layout_checks() -> None:
     from serving.config import ConfigError
-    from serving.models.engine import check_layout
+    from serving.replica.engine import check_layout
 
     hf = {"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 3}
     check_layout(_model(tensor_parallel_size=2), hf, 8, None)
@@ -194,8 +195,8 @@ def test_layout_checks() -> None:
 
 
 def test_gateway_autoscaling_renders() -> None:
-    from serving.app import build_serve_config
     from serving.config import parse_config
+    from serving.control.serve_config import build_serve_config
 
     cfg = parse_config(
         {
@@ -214,7 +215,7 @@ def test_single_process_engine_is_pinned_apart_from_its_api_server(tmp_path: Pat
     import sys
     import time
 
-    from serving.models.engine import claim_cores, engine_core_pid, pin_single_process, spare_cores
+    from serving.replica.placement import claim_cores, engine_core_pid, pin_single_process, spare_cores
 
     cpus = sorted(os.sched_getaffinity(0))
     assert len(cpus) >= 2, "the pinning test needs two cores (CI has two)"
@@ -255,7 +256,7 @@ def test_vllm_parses_a_token_that_starts_with_a_dash() -> None:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from serving.models.engine import vllm_command
+    from serving.replica.engine import vllm_command
 
     spec = EngineSpec(model="m", version="v1", path="/p", engine=EngineConfig())
     args = vllm_command(spec, "127.0.0.1", 8000, "-Xq_starts-with-dash")

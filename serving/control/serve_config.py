@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from serving.config import AutoscalingConfig, ModelConfig, ModelVersion, StackConfig
-from serving.models.engine import EngineSpec
-from serving.models.routers import ROUTER_CLASSES
+from serving.replica.engine import EngineSpec
+from serving.replica.routers import ROUTER_CLASSES
 
-__all__ = ["app_name", "build_serve_config", "gateway_app", "model_app", "routing_user_config"]
+__all__ = ["app_name", "build_serve_config", "routing_user_config"]
 
 GATEWAY_APP = "gateway"
 
@@ -123,7 +123,7 @@ def _model_application(cfg: StackConfig, m: ModelConfig, v: ModelVersion, base: 
     return {
         "name": name,
         "route_prefix": None,
-        "import_path": "serving.app:model_app",
+        "import_path": "serving.replica.server:build_model_server",
         "args": {"name": name, "spec": spec.model_dump(mode="json")},
         "deployments": [_model_deployment(m, name)],
     }
@@ -139,7 +139,7 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
     gateway = {
         "name": GATEWAY_APP,
         "route_prefix": "/",
-        "import_path": "serving.app:gateway_app",
+        "import_path": "serving.gateway.deployment:build_gateway",
         "args": {
             "settings": {
                 "max_body_bytes": g.max_body_bytes,
@@ -148,8 +148,8 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
                 "expose_replica_header": g.expose_replica_header,
                 "replica_routing": g.replica_routing,
             },
-            # ingress direct: every gateway replica serves the OpenAI API on host:port itself
-            "listen": {"host": g.host, "port": g.port} if g.ingress == "direct" else None,
+            # ingress listener: every gateway replica serves the OpenAI API on host:port itself
+            "listen": {"host": g.host, "port": g.port} if g.ingress == "listener" else None,
         },
         "deployments": [
             {
@@ -175,21 +175,3 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
         "http_options": {"host": g.host, "port": g.serve_proxy_port, "keep_alive_timeout_s": 60},
         "applications": apps,
     }
-
-
-def gateway_app(args: dict[str, Any]) -> Any:
-    """Serve application builder (``import_path: serving.app:gateway_app``)."""
-    from ray import serve
-
-    from serving.gateway.deployment import Gateway
-
-    return serve.deployment(Gateway, name="Gateway").bind(args["settings"], args.get("listen"))
-
-
-def model_app(args: dict[str, Any]) -> Any:
-    """Serve application builder for one model version (``serving.app:model_app``)."""
-    from ray import serve
-
-    from serving.models.server import ModelServer
-
-    return serve.deployment(ModelServer, name=args["name"]).bind(args["spec"])

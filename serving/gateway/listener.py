@@ -9,7 +9,7 @@ process between vLLM and the client. All replicas on a node bind the same port w
 internal port for its own health checks.
 
 A request the listener serves is invisible to Serve's request counting, so the replica reports its
-in-flight count to the autoscaler itself (:meth:`DirectListener.in_flight`, see
+in-flight count to the autoscaler itself (:meth:`Listener.in_flight`, see
 ``Gateway.record_autoscaling_stats``).
 """
 
@@ -24,7 +24,7 @@ import uvicorn
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["DirectListener", "bind_shared"]
+__all__ = ["Listener", "bind_shared"]
 
 
 def bind_shared(host: str, port: int) -> socket.socket:
@@ -52,7 +52,8 @@ class _Counted:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+            return
         self.in_flight += 1
         try:
             await self.app(scope, receive, send)
@@ -60,7 +61,7 @@ class _Counted:
             self.in_flight -= 1
 
 
-class DirectListener:
+class Listener:
     """uvicorn serving ``app`` on ``host:port`` inside the current event loop."""
 
     def __init__(self, app: Any, host: str, port: int, keep_alive_s: int = 60, drain_s: float = 30.0) -> None:

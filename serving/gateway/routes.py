@@ -31,8 +31,8 @@ from serving.errors import (
     to_response,
 )
 from serving.gateway.core import GatewayCore
-from serving.gateway.proxy import UpstreamResult
-from serving.protocol import Kind, parse_request
+from serving.gateway.protocol import Kind, parse_request
+from serving.gateway.relay import UpstreamResult
 
 logger = logging.getLogger("serving.gateway")
 
@@ -54,7 +54,7 @@ def _request_id(request: Request) -> str:
 def _header(scope: Scope, name: bytes) -> str | None:
     for k, v in scope["headers"]:
         if k == name:
-            return v.decode("latin-1")
+            return str(v.decode("latin-1"))
     return None
 
 

@@ -19,7 +19,7 @@ __all__ = ["ROUTER_CLASSES", "SessionAffinityRouter", "pick_by_session"]
 ROUTER_CLASSES = {
     "power_of_two": None,
     "prefix_affinity": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
-    "session_affinity": "serving.models.routers:SessionAffinityRouter",
+    "session_affinity": "serving.replica.routers:SessionAffinityRouter",
 }
 
 

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 import httpx
 
-from serving.app import app_name
 from serving.config import ModelVersion, StackConfig
+from serving.control.serve_config import app_name
 from serving.registry import CheckpointStore, RegistryError
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The gateway replicas' own listener (``gateway.ingress: direct``): shared port, request counting,
+"""The gateway replicas' own listener (``gateway.ingress: listener``): shared port, request counting,
 draining, and how the stack config turns into it. Runs real uvicorn servers on loopback."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from serving.app import build_serve_config
 from serving.config import ConfigError, parse_config
-from serving.gateway.direct import DirectListener, bind_shared
-from serving.models.server import free_port
+from serving.control.serve_config import build_serve_config
+from serving.gateway.listener import Listener, bind_shared
+from serving.replica.server import free_port
 
 MODEL = {"name": "adder", "versions": [{"version": "v1"}]}
 
@@ -33,7 +33,7 @@ def _app(name: str, gate: asyncio.Event | None = None) -> FastAPI:
 
 async def test_two_listeners_share_one_port_and_both_serve() -> None:
     port = free_port()
-    a, b = DirectListener(_app("a"), "127.0.0.1", port), DirectListener(_app("b"), "127.0.0.1", port)
+    a, b = Listener(_app("a"), "127.0.0.1", port), Listener(_app("b"), "127.0.0.1", port)
     await a.start()
     await b.start()
     try:
@@ -56,7 +56,7 @@ async def test_two_listeners_share_one_port_and_both_serve() -> None:
 async def test_in_flight_counts_requests_and_stop_lets_them_finish() -> None:
     gate = asyncio.Event()
     port = free_port()
-    lis = DirectListener(_app("a", gate), "127.0.0.1", port, drain_s=10)
+    lis = Listener(_app("a", gate), "127.0.0.1", port, drain_s=10)
     await lis.start()
     async with httpx.AsyncClient(timeout=20) as c:
         calls = [asyncio.ensure_future(c.get(f"http://127.0.0.1:{port}/who")) for _ in range(3)]
@@ -123,8 +123,8 @@ def test_a_restarted_gateway_replica_starts_before_the_old_one_stops() -> None:
 
 def test_a_stack_does_not_start_on_a_port_someone_listens_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The gateway binds with SO_REUSEPORT, which would not fail on a taken port by itself."""
-    from serving import stack
     from serving.config import LocalRayConfig
+    from serving.control import stack
 
     monkeypatch.setattr(stack, "RUN_DIR", tmp_path)
     with socket.socket() as s:
@@ -137,12 +137,12 @@ def test_a_stack_does_not_start_on_a_port_someone_listens_on(tmp_path: Path, mon
 
 
 async def test_a_cold_model_that_does_not_start_in_time_is_a_503_with_retry_after() -> None:
-    """ServeLeases waits for a replica (scale from zero) at most the model's cold_start_timeout_s,
+    """ReplicaFinder waits for a replica (scale from zero) at most the model's cold_start_timeout_s,
     then withdraws the queued lease call and answers 503 with Retry-After. Only Serve's handle is
     replaced here; the cold start itself is tests/e2e/test_scaling.py."""
+    from serving.contract import LeaseHint
     from serving.errors import Unavailable
-    from serving.gateway.deployment import ServeLeases
-    from serving.models.server import LeaseHint
+    from serving.gateway.replicas import ReplicaFinder
 
     cancelled: list[bool] = []
 
@@ -160,7 +160,7 @@ async def test_a_cold_model_that_does_not_start_in_time_is_a_503_with_retry_afte
             def remote(hint: LeaseHint) -> NeverStarts:
                 return NeverStarts()
 
-    leases = ServeLeases()
+    leases = ReplicaFinder()
     leases._handles["cold--v1"] = Handle()  # type: ignore[assignment]
     with pytest.raises(Unavailable) as err:
         await leases.lease("cold--v1", LeaseHint(), timeout_s=0.3)

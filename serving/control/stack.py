@@ -22,9 +22,10 @@ from typing import Any
 
 import httpx
 
-from serving.app import build_serve_config
 from serving.config import LocalRayConfig, StackConfig
-from serving.models.engine import check_layout, pid_alive
+from serving.control.serve_config import build_serve_config
+from serving.replica.engine import check_layout
+from serving.replica.placement import pid_alive
 
 __all__ = [
     "StackState",

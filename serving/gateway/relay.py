@@ -24,11 +24,12 @@ from typing import Protocol, TypeVar
 import aiohttp
 
 from serving.errors import UpstreamError, sse_error_event
-from serving.protocol import normalize_upstream_error
+from serving.gateway.protocol import normalize_upstream_error
+from serving.gateway.replicas import Lease, ReplicaGone
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["Lease", "Leaser", "Observer", "ReplicaGone", "Upstream", "UpstreamResult", "forward"]
+__all__ = ["Leaser", "Observer", "Upstream", "UpstreamResult", "forward"]
 
 RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 T = TypeVar("T")
@@ -66,16 +67,6 @@ class Upstream:
             await self._session.close()
 
 
-class Lease(Protocol):
-    url: str
-    token: str
-    replica: str
-    died: asyncio.Event  # set when the leased replica dies (Ray tells the lease call at once)
-    route: str  # "direct" (picked by the gateway) or "serve" (leased through Serve's router)
-
-    def release(self, failed: bool = False) -> None: ...
-
-
 Leaser = Callable[[], Awaitable[Lease]]
 
 
@@ -109,10 +100,6 @@ class UpstreamResult:
 
 class _RetryableFailure(Exception):
     pass
-
-
-class ReplicaGone(_RetryableFailure):
-    """Raised by a leaser when the leased replica died before answering; the request is retried."""
 
 
 async def _unless_dead(coro: Awaitable[T], lease: Lease) -> T:

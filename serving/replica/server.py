@@ -8,7 +8,7 @@ directly. Ray Serve still does what it is good at -- placement, health checks, r
 autoscaling -- and the gateway finds the replica one of two ways:
 
 - **direct** (``gateway.replica_routing: direct``, the default, for power-of-two routing): the
-  replica publishes its endpoint in Ray's key-value store (:mod:`serving.endpoints`) and the
+  replica publishes its endpoint in Ray's key-value store (:mod:`serving.gateway.replicas`) and the
   gateway picks among them itself; no Ray call per request. The replica reports its engine's
   running + waiting requests to Serve's autoscaler (``record_autoscaling_stats``), and when Serve
   stops it, it withdraws its endpoint and drains before stopping vLLM.
@@ -29,45 +29,20 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from serving import endpoints
-from serving.models.engine import (
-    EngineSpec,
-    claim_cores,
-    engine_core_pid,
-    pin_single_process,
-    single_process,
-    spare_cores,
-    vllm_command,
-    vllm_env,
-)
+from serving import contract
+from serving.contract import RUNNING_REQUESTS_KEY, Endpoint, LeaseHint
+from serving.replica.engine import EngineSpec, single_process, vllm_command, vllm_env
+from serving.replica.placement import claim_cores, engine_core_pid, pin_single_process, spare_cores
 
 logger = logging.getLogger("ray.serve")
 
-DRAIN_S = 50.0  # within the model deployment's graceful_shutdown_timeout_s (60, serving/app.py)
+DRAIN_S = 50.0  # within the model deployment's graceful_shutdown_timeout_s (60, serving/control/serve_config.py)
 
-__all__ = ["Endpoint", "LeaseHint", "ModelServer", "free_port"]
-
-
-@dataclass(frozen=True)
-class LeaseHint:
-    """What request routers may look at. ``prompt`` is set only for prefix-affinity routing
-    (ray.serve.llm's PrefixCacheAffinityRouter reads ``.prompt``); ``session_id`` for session
-    affinity."""
-
-    prompt: str | None = None
-    session_id: str | None = None
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    url: str
-    token: str
-    replica: str
+__all__ = ["ModelServer", "build_model_server", "free_port"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -112,6 +87,8 @@ def _placement_group_gpus(spec: EngineSpec) -> str | None:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     pg = ray.util.get_current_placement_group()
+    if pg is None:
+        raise RuntimeError("a multi-rank GPU engine must run in its placement group")
 
     @ray.remote(num_cpus=0)
     def gpu_ids() -> list[str]:
@@ -160,12 +137,6 @@ def _replica_tag() -> tuple[str, str | None]:
         return f"pid-{os.getpid()}", None
 
 
-try:  # the key Serve's default autoscaling policy reads from a replica's report
-    from ray.serve._private.common import RUNNING_REQUESTS_KEY
-except ImportError:  # pragma: no cover - tests/unit/test_gateway_direct.py fails loudly if it moves
-    RUNNING_REQUESTS_KEY = "running_requests"
-
-
 class ModelServer:
     """Serve deployment class; the app builder wraps it with ``serve.deployment`` options."""
 
@@ -194,10 +165,10 @@ class ModelServer:
         self._background_task: asyncio.Task[None] | None = None
         self._load = 0.0  # the engine's running + waiting requests, read every second
         self._draining = False
-        self._kv: endpoints.KV | None = None
+        self._kv: contract.KV | None = None
         if self.app is not None:
             try:
-                self._kv = endpoints.RayKV()
+                self._kv = contract.RayKV()
                 self._publish()
             except Exception as exc:  # noqa: BLE001 - without the store, gateways lease through Serve
                 logger.warning("cannot publish the endpoint (%s); gateways will lease through Serve", exc)
@@ -225,8 +196,8 @@ class ModelServer:
             logger.info("every core is claimed by an engine: engine and API server unpinned")
 
     def _publish(self) -> None:
-        if self._kv is not None and not self._draining and self.proc.poll() is None:
-            endpoints.publish(self._kv, self.app, self.replica, self.endpoint.url, self.endpoint.token)
+        if self._kv is not None and self.app is not None and not self._draining and self.proc.poll() is None:
+            contract.publish(self._kv, self.app, self.replica, self.endpoint.url, self.endpoint.token)
 
     async def _engine_values(self) -> dict[str, float]:
         from serving.metrics import EngineMetrics, parse_prometheus_values
@@ -250,7 +221,7 @@ class ModelServer:
                     metrics.set(values, tags)
             except httpx.HTTPError:
                 pass
-            if tick % int(endpoints.HEARTBEAT_S) == 0:
+            if tick % int(contract.HEARTBEAT_S) == 0:
                 self._pin()
                 try:
                     await asyncio.to_thread(self._publish)
@@ -320,16 +291,17 @@ class ModelServer:
         the gateways time to stop picking it, let the requests they already sent finish (within
         the deployment's graceful_shutdown_timeout_s), then stop vLLM."""
         self._draining = True  # no heartbeat re-publishes the record from here on
-        if getattr(self, "_background_task", None) is not None:
-            self._background_task.cancel()
-        kv = getattr(self, "_kv", None)
-        if kv is not None:
+        task: asyncio.Task[None] | None = getattr(self, "_background_task", None)
+        if task is not None:
+            task.cancel()
+        kv, app = getattr(self, "_kv", None), getattr(self, "app", None)
+        if kv is not None and app is not None:
             try:
-                await asyncio.to_thread(endpoints.withdraw, kv, self.app, self.replica)
+                await asyncio.to_thread(contract.withdraw, kv, app, self.replica)
                 if self.proc.poll() is None:
-                    await asyncio.sleep(2 * endpoints.REFRESH_S + 0.5)
+                    await asyncio.sleep(2 * contract.REFRESH_S + 0.5)
                     # a heartbeat that was already in flight may have written the record again
-                    await asyncio.to_thread(endpoints.withdraw, kv, self.app, self.replica)
+                    await asyncio.to_thread(contract.withdraw, kv, app, self.replica)
                     deadline = time.monotonic() + DRAIN_S
                     while time.monotonic() < deadline:
                         if _engine_load(await self._engine_values()) == 0:
@@ -338,3 +310,11 @@ class ModelServer:
             except Exception as exc:  # noqa: BLE001 - stop anyway
                 logger.warning("draining %s: %s", self.replica, exc)
         self._stop()
+
+
+def build_model_server(args: dict[str, Any]) -> Any:
+    """Serve application builder for one model version
+    (``import_path: serving.replica.server:build_model_server``)."""
+    from ray import serve
+
+    return serve.deployment(name=args["name"])(ModelServer).bind(args["spec"])

@@ -8,13 +8,18 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 import yaml
 from rich.console import Console
 
-from serving.app import build_serve_config
 from serving.config import ConfigError, StackConfig, load_config
+from serving.control.serve_config import build_serve_config
+
+if TYPE_CHECKING:
+    from serving.control.stack import LocalDeployer, StackState
+    from serving.registry import CheckpointStore
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console(stderr=True)
@@ -34,8 +39,8 @@ LOCAL_ENV = {
 
 def _load(path: Path, live: bool = True) -> StackConfig:
     """The stack config; with ``live``, the versions promoted since (the routes file) applied."""
-    from serving.promotion import apply_routes, routes_path
-    from serving.stack import RUN_DIR
+    from serving.control.promotion import apply_routes, routes_path
+    from serving.control.stack import RUN_DIR
 
     try:
         cfg = load_config(path)
@@ -45,8 +50,8 @@ def _load(path: Path, live: bool = True) -> StackConfig:
         raise typer.Exit(2) from None
 
 
-def _running(cfg: StackConfig, config: Path) -> tuple[object, object]:
-    from serving.stack import LocalDeployer, StackState
+def _running(cfg: StackConfig, config: Path) -> tuple[StackState, LocalDeployer]:
+    from serving.control.stack import LocalDeployer, StackState
 
     state = StackState.load(cfg.name)
     if state is None:
@@ -55,7 +60,7 @@ def _running(cfg: StackConfig, config: Path) -> tuple[object, object]:
     return state, LocalDeployer(state, config.resolve().parent, cfg.local_ray.metrics_export_port)
 
 
-def _store(cfg: StackConfig, config: Path) -> object:
+def _store(cfg: StackConfig, config: Path) -> CheckpointStore:
     from serving.registry import CheckpointStore
 
     root = cfg.checkpoint_root
@@ -67,7 +72,7 @@ def _store(cfg: StackConfig, config: Path) -> object:
 @app.command()
 def up(config: Path = ConfigOpt, timeout: float = typer.Option(900, help="Seconds to wait.")) -> None:
     """Build missing models, start a local Ray head and the stack, print the base URL."""
-    from serving.stack import up as stack_up
+    from serving.control.stack import up as stack_up
 
     cfg = _load(config)
     try:
@@ -89,7 +94,7 @@ def up(config: Path = ConfigOpt, timeout: float = typer.Option(900, help="Second
 @app.command()
 def down(config: Path = ConfigOpt) -> None:
     """Stop the stack and the local Ray head that ``up`` started."""
-    from serving.stack import stop_stack
+    from serving.control.stack import stop_stack
 
     cfg = _load(config)
     if not stop_stack(cfg.name, log=console.print):
@@ -99,7 +104,7 @@ def down(config: Path = ConfigOpt) -> None:
 @app.command()
 def status(config: Path = ConfigOpt) -> None:
     """Show the Serve applications of the running local stack."""
-    from serving.stack import StackState, serve_status
+    from serving.control.stack import StackState, serve_status
 
     cfg = _load(config)
     state = StackState.load(cfg.name)
@@ -139,9 +144,9 @@ def promote(
     then finish or roll back automatically."""
     import os
 
-    from serving.promotion import PromotionError, SloPolicy, routes_path, save_result
-    from serving.promotion import promote as run_promotion
-    from serving.stack import RUN_DIR
+    from serving.control.promotion import PromotionError, SloPolicy, routes_path, save_result
+    from serving.control.promotion import promote as run_promotion
+    from serving.control.stack import RUN_DIR
 
     cfg = _load(config)
     state, deployer = _running(cfg, config)
@@ -155,9 +160,9 @@ def promote(
             model,
             version,
             store=_store(cfg, config),
-            deployer=deployer,  # type: ignore[arg-type]
+            deployer=deployer,
             routes_file=routes_path(RUN_DIR, cfg.name),
-            base_url=state.base_url,  # type: ignore[attr-defined]
+            base_url=state.base_url,
             policy=policy,
             headers=headers,
             log=console.print,
@@ -177,14 +182,14 @@ def rollback(
     to: str | None = typer.Option(None, help="Version to keep (default: the one with most traffic)."),
 ) -> None:
     """Serve one version of a model alone again, removing the others."""
-    from serving.promotion import PromotionError, routes_path
-    from serving.promotion import rollback as run_rollback
-    from serving.stack import RUN_DIR
+    from serving.control.promotion import PromotionError, routes_path
+    from serving.control.promotion import rollback as run_rollback
+    from serving.control.stack import RUN_DIR
 
     cfg = _load(config)
     _, deployer = _running(cfg, config)
     try:
-        kept = run_rollback(cfg, model, deployer, routes_path(RUN_DIR, cfg.name), to)  # type: ignore[arg-type]
+        kept = run_rollback(cfg, model, deployer, routes_path(RUN_DIR, cfg.name), to)
     except (PromotionError, KeyError) as exc:
         console.print(f"rollback refused: {exc}", style="red", markup=False)
         raise typer.Exit(2) from None
@@ -197,8 +202,8 @@ def versions(model: str = typer.Argument(...), config: Path = ConfigOpt) -> None
     cfg = _load(config)
     store = _store(cfg, config)
     live = {v.version: v.weight for v in cfg.model(model).versions}
-    for v in store.list_versions(model):  # type: ignore[attr-defined]
-        man = store.manifest(model, v)  # type: ignore[attr-defined]
+    for v in store.list_versions(model):
+        man = store.manifest(model, v)
         print(
             f"{v:10} task={man.task:4} exact_match={man.eval.exact_match:.3f} "
             f"steps={man.steps:5} traffic={live.get(v, 0)}%"
@@ -211,7 +216,7 @@ def render_k8s(
     check: bool = typer.Option(False, "--check", help="Exit 1 if a generated file is stale."),
 ) -> None:
     """Render serveConfigV2 of deployments/<env>.yaml into k8s/overlays/<env>/serve-config.yaml."""
-    from serving.k8s import K8sError, stale_k8s, write_k8s
+    from serving.control.k8s import K8sError, stale_k8s, write_k8s
 
     try:
         paths = stale_k8s(Path("."), env) if check else write_k8s(Path("."), env)
@@ -231,7 +236,7 @@ app.add_typer(keys_app, name="keys")
 @keys_app.command("new")
 def keys_new(tenant: str = typer.Option(..., "--tenant", help="Tenant the key is for (for the hint).")) -> None:
     """Print a new random API key (give it to the client) and its salted hash (put it in the config)."""
-    from serving.gateway.auth import hash_key, new_key
+    from serving.gateway.admission.auth import hash_key, new_key
 
     key = new_key()
     print(f"api key (give to the client, shown once): {key}")
@@ -243,7 +248,7 @@ def keys_hash(key_env: str = typer.Option(..., "--from-env", help="Env var holdi
     """Hash an existing key read from an environment variable (never from the command line)."""
     import os
 
-    from serving.gateway.auth import hash_key
+    from serving.gateway.admission.auth import hash_key
 
     key = os.environ.get(key_env)
     if not key:
@@ -271,7 +276,7 @@ def bench(ctx: typer.Context) -> None:
 @app.command("config-reference")
 def config_reference() -> None:
     """Print the Markdown reference of every stack-config field (docs/configuration.md)."""
-    from serving.reference import config_reference as ref
+    from serving.control.reference import config_reference as ref
 
     sys.stdout.write(ref())
 

@@ -1,0 +1,139 @@
+"""The contract between gateway replicas and model replicas: the only module both import.
+
+A model replica runs vLLM's OpenAI server on a private port guarded by a per-replica token. It
+tells gateways where that server is in two ways, and both carry the types defined here:
+
+- **Published endpoint records** in Ray's GCS key-value store, under ``ep/<app>/<replica>`` in
+  namespace ``raystack``: URL and token, refreshed every ``HEARTBEAT_S`` while the engine runs and
+  deleted when the replica drains. Gateways read them every ``REFRESH_S`` and pick a replica with
+  no Ray call per request (:mod:`serving.gateway.replicas`).
+- **A lease**: the model replica's streaming Serve method ``lease(hint)`` yields its
+  :class:`Endpoint` and stays open while the request runs. :class:`LeaseHint` is what Serve's
+  request routers may look at.
+
+``RUNNING_REQUESTS_KEY`` is the key both kinds of replica report their load under to Serve's
+autoscaler (``record_autoscaling_stats``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+logger = logging.getLogger("serving.contract")
+
+__all__ = [
+    "HEARTBEAT_S",
+    "KV",
+    "NAMESPACE",
+    "REFRESH_S",
+    "RUNNING_REQUESTS_KEY",
+    "Endpoint",
+    "LeaseHint",
+    "RayKV",
+    "Record",
+    "publish",
+    "read_records",
+    "withdraw",
+]
+
+NAMESPACE = "raystack"
+PREFIX = "ep/"
+HEARTBEAT_S = 2.0  # a model replica re-publishes its record this often
+REFRESH_S = 1.0  # a gateway re-reads all records this often
+
+try:  # the key Serve's default autoscaling policy reads from a replica's report
+    from ray.serve._private.common import RUNNING_REQUESTS_KEY
+except ImportError:  # pragma: no cover - tests/unit/test_gateway_listener.py fails loudly if it moves
+    RUNNING_REQUESTS_KEY = "running_requests"
+
+
+@dataclass(frozen=True)
+class LeaseHint:
+    """What request routers may look at. ``prompt`` is set only for prefix-affinity routing
+    (ray.serve.llm's PrefixCacheAffinityRouter reads ``.prompt``); ``session_id`` for session
+    affinity."""
+
+    prompt: str | None = None
+    session_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where one model replica's vLLM server answers, and the token it requires."""
+
+    url: str
+    token: str
+    replica: str
+
+
+class KV(Protocol):
+    def put(self, key: str, value: bytes) -> None: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def scan(self, prefix: str) -> dict[str, bytes]: ...
+
+
+class RayKV:
+    """Ray's GCS key-value store (the process must be connected to Ray, as Serve replicas are)."""
+
+    def put(self, key: str, value: bytes) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(key, value, overwrite=True, namespace=NAMESPACE)
+
+    def delete(self, key: str) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+
+    def scan(self, prefix: str) -> dict[str, bytes]:
+        from ray.experimental import internal_kv
+
+        out: dict[str, bytes] = {}
+        for key in internal_kv._internal_kv_list(prefix, namespace=NAMESPACE):
+            name = key.decode() if isinstance(key, bytes) else key
+            value = internal_kv._internal_kv_get(name, namespace=NAMESPACE)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+@dataclass(frozen=True)
+class Record:
+    """One published endpoint: ``ts`` is the publisher's wall clock at the put."""
+
+    app: str
+    replica: str
+    url: str
+    token: str
+    ts: float
+
+
+def _key(app: str, replica: str) -> str:
+    return f"{PREFIX}{app}/{replica}"
+
+
+def publish(kv: KV, app: str, replica: str, url: str, token: str, now: float | None = None) -> None:
+    ts = time.time() if now is None else now
+    kv.put(_key(app, replica), json.dumps({"url": url, "token": token, "ts": ts}).encode())
+
+
+def withdraw(kv: KV, app: str, replica: str) -> None:
+    kv.delete(_key(app, replica))
+
+
+def read_records(kv: KV) -> list[Record]:
+    out = []
+    for key, raw in kv.scan(PREFIX).items():
+        app, _, replica = key.removeprefix(PREFIX).partition("/")
+        try:
+            v = json.loads(raw)
+            out.append(Record(app, replica, str(v["url"]), str(v["token"]), float(v["ts"])))
+        except (ValueError, KeyError, TypeError):
+            logger.warning("ignoring an unreadable endpoint record %s", key)
+    return out

@@ -1,0 +1,270 @@
+"""Finding a model replica for each request: the gateway's replica table and Serve leases.
+
+Every way of getting a replica ends in a :class:`Lease` (URL, token, a ``died`` event, ``release``):
+
+- :class:`DirectLease` from the :class:`EndpointTable`: each gateway replica reads the endpoint
+  records that model replicas publish (:mod:`serving.contract`) every ``REFRESH_S`` and picks per
+  request itself, power of two choices on its own in-flight counts (what Serve's default router
+  does, minus the Ray call per request).
+- :class:`ServeLease` from a Serve deployment handle: one streaming call to the replica's
+  ``lease`` method that yields its endpoint and stays open until the request ends, so Serve's
+  router, queue and backpressure see the request. Used by requests that need a routing hint
+  (prefix or session affinity), for an app with no known endpoint (cold, scaled to zero), when the
+  picked replicas are at their limit, and for every request under ``replica_routing: serve``.
+
+:class:`ReplicaFinder` chooses between the two. A record whose heartbeat is older than ``STALE_S``
+belongs to a replica that died without withdrawing (its node or process is gone): it is dropped,
+and requests still streaming from it are told (``died``), as Ray tells a lease call whose actor
+died; after ``PURGE_S`` a gateway deletes it. A replica that fails a request is skipped for
+``FAILED_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any, Protocol, cast
+
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from serving.contract import KV, REFRESH_S, Endpoint, LeaseHint, RayKV, Record, read_records, withdraw
+from serving.errors import unavailable
+
+logger = logging.getLogger("serving.gateway")
+
+__all__ = [
+    "FAILED_S",
+    "PURGE_S",
+    "STALE_S",
+    "DirectLease",
+    "EndpointTable",
+    "Lease",
+    "LeaseProvider",
+    "ReplicaFinder",
+    "ReplicaGone",
+    "ServeLease",
+]
+
+STALE_S = 10.0
+PURGE_S = 60.0  # records this old are deleted by any gateway (their replica was killed)
+FAILED_S = 5.0
+
+
+class Lease(Protocol):
+    """A replica chosen for one request, held until the request ends."""
+
+    url: str
+    token: str
+    replica: str
+    died: asyncio.Event  # set when the replica is known dead (Ray or the heartbeat says so)
+    route: str  # "direct" (picked by the gateway) or "serve" (leased through Serve's router)
+
+    def release(self, failed: bool = False) -> None: ...
+
+
+class LeaseProvider(Protocol):
+    async def lease(self, app: str, hint: LeaseHint, timeout_s: float, limit: int = 0) -> Lease: ...
+
+    async def ready(self, app: str, timeout_s: float) -> bool: ...
+
+
+class ReplicaGone(Exception):
+    """The replica to lease died before answering; the request is retried on another."""
+
+
+class DirectLease:
+    """A replica picked by the gateway itself; ``release`` gives its slot back."""
+
+    __slots__ = ("_done", "_table", "died", "replica", "token", "url")
+    route = "direct"
+
+    def __init__(self, table: EndpointTable, record: Record) -> None:
+        self._table, self._done = table, False
+        self.url, self.token, self.replica = record.url, record.token, record.replica
+        self.died = asyncio.Event()
+
+    def release(self, failed: bool = False) -> None:
+        if not self._done:
+            self._done = True
+            self._table._release(self, failed)
+
+
+class EndpointTable:
+    """One gateway replica's view of the live model replicas, and its requests on each."""
+
+    def __init__(self, stale_s: float = STALE_S, failed_s: float = FAILED_S, rng: random.Random | None = None) -> None:
+        self.stale_s, self.failed_s = stale_s, failed_s
+        self._rng = rng or random.Random()
+        self._by_app: dict[str, dict[str, Record]] = {}
+        self._leases: dict[str, set[DirectLease]] = {}  # open leases per replica: its in-flight count
+        self._failed_until: dict[str, float] = {}
+        self._stale: set[str] = set()
+        self.loaded = False  # records were read at least once
+
+    def update(self, records: list[Record], now: float | None = None) -> list[str]:
+        """Replace the view; returns the replicas whose heartbeat went stale since the last update
+        (their in-flight requests are told ``died``). A withdrawn record (a draining replica) only
+        stops new picks."""
+        now = time.time() if now is None else now
+        fresh: dict[str, dict[str, Record]] = {}
+        stale = []
+        for r in records:
+            if now - r.ts > self.stale_s:
+                stale.append(r.replica)
+            else:
+                fresh.setdefault(r.app, {})[r.replica] = r
+        for replica in stale:
+            for lease in self._leases.get(replica, ()):
+                lease.died.set()
+        newly = [r for r in stale if r not in self._stale]
+        self._by_app, self._stale, self.loaded = fresh, set(stale), True
+        return newly
+
+    def apps(self) -> dict[str, list[str]]:
+        return {app: sorted(reps) for app, reps in self._by_app.items()}
+
+    def pick(self, app: str, limit: int = 0, now: float | None = None) -> DirectLease | None:
+        """Power of two choices over ``app``'s live replicas by this gateway's in-flight counts;
+        None when it has none (cold, not yet seen) or both choices are at ``limit`` (then
+        Serve's router queues the request)."""
+        now = time.monotonic() if now is None else now
+        reps = [r for r in self._by_app.get(app, {}).values() if self._failed_until.get(r.replica, 0) <= now]
+        if not reps:
+            return None
+        pair = self._rng.sample(reps, 2) if len(reps) > 1 else reps
+        best = min(pair, key=lambda r: self.in_flight(r.replica))
+        if limit and self.in_flight(best.replica) >= limit:
+            return None
+        lease = DirectLease(self, best)
+        self._leases.setdefault(best.replica, set()).add(lease)
+        return lease
+
+    def in_flight(self, replica: str) -> int:
+        return len(self._leases.get(replica, ()))
+
+    def _release(self, lease: DirectLease, failed: bool) -> None:
+        leases = self._leases.get(lease.replica)
+        if leases is not None:
+            leases.discard(lease)
+            if not leases:
+                del self._leases[lease.replica]
+        if failed:
+            self._failed_until[lease.replica] = time.monotonic() + self.failed_s
+
+    async def refresh_forever(self, kv: KV, period_s: float = REFRESH_S) -> None:
+        """Gateway background task: re-read the records every ``period_s``; delete records older
+        than ``PURGE_S`` (a replica killed outright never withdraws its own)."""
+        while True:
+            try:
+                records = await asyncio.to_thread(read_records, kv)
+                stale = self.update(records)
+                if stale:
+                    logger.warning("model replicas without heartbeat (dropped): %s", stale)
+                now = time.time()
+                for r in records:
+                    if now - r.ts > PURGE_S:
+                        await asyncio.to_thread(withdraw, kv, r.app, r.replica)
+            except Exception as exc:  # noqa: BLE001 - keep the last view; Serve's leases still work
+                logger.warning("reading model endpoints failed: %s", exc)
+            await asyncio.sleep(period_s)
+
+
+def _cancel(gen: DeploymentResponseGenerator[Endpoint]) -> None:
+    """End a lease call; a call that already failed (its replica died) has nothing to end."""
+    try:
+        gen.cancel()
+    except Exception:  # noqa: BLE001 - the call's own error was handled where it surfaced
+        pass
+
+
+class ServeLease:
+    """A leased replica. The lease call stays open while the request runs; if the replica dies,
+    Ray fails that call at once and ``died`` is set, so the gateway stops waiting on its sockets."""
+
+    __slots__ = ("_gen", "_watcher", "died", "replica", "token", "url")
+    route = "serve"
+
+    def __init__(self, gen: DeploymentResponseGenerator[Endpoint], endpoint: Endpoint) -> None:
+        self._gen = gen
+        self.url = endpoint.url
+        self.token = endpoint.token
+        self.replica = endpoint.replica
+        self.died = asyncio.Event()
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        try:
+            await self._gen.__anext__()  # the replica yields nothing more; this only fails
+        except (ActorDiedError, ActorUnavailableError, RayActorError):
+            logger.warning("replica %s died during a request", self.replica)
+            self.died.set()
+        except BaseException:  # noqa: BLE001 - cancelled by release(), or the lease ended
+            return
+
+    def release(self, failed: bool = False) -> None:
+        self._watcher.cancel()
+        _cancel(self._gen)
+
+
+class ReplicaFinder:
+    """Finds a model replica for each request. With ``direct``, requests that need no routing
+    hint (power of two choices) go to a replica this gateway picks from the published endpoints,
+    with no Ray call; the others, and any request for an app with no known endpoint (cold, scaled
+    to zero) or whose picked replicas are at ``limit``, lease through Serve's handle and router."""
+
+    def __init__(self, direct: bool = False, kv: KV | None = None) -> None:
+        self._handles: dict[str, DeploymentHandle[Any]] = {}
+        self.table = EndpointTable() if direct else None
+        self._kv = kv
+        self._refresher: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start reading endpoints (in the replica's event loop; ``Gateway.reconfigure`` calls it
+        before the first request, as Serve applies the user_config before serving)."""
+        if self.table is not None and self._refresher is None:
+            self._refresher = asyncio.ensure_future(self.table.refresh_forever(self._kv or RayKV()))
+
+    def stop(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+
+    def _handle(self, app: str) -> DeploymentHandle[Any]:
+        h = self._handles.get(app)
+        if h is None:
+            h = serve.get_deployment_handle(app, app_name=app).options(stream=True)
+            self._handles[app] = h
+        return h
+
+    async def lease(self, app: str, hint: LeaseHint, timeout_s: float, limit: int = 0) -> Lease:
+        if self.table is not None and hint.prompt is None and hint.session_id is None:
+            picked = self.table.pick(app, limit)
+            if picked is not None:
+                return picked
+        # the handle streams (``options(stream=True)``): the call is a response generator
+        gen = cast("DeploymentResponseGenerator[Endpoint]", self._handle(app).lease.remote(hint))
+        try:
+            endpoint = await asyncio.wait_for(gen.__anext__(), timeout_s)
+        except BackPressureError:
+            raise unavailable(f"Model '{app}' is at capacity; retry shortly.", 1) from None
+        except TimeoutError:
+            _cancel(gen)  # still waiting for a replica: withdraw the request
+            raise unavailable(f"No replica of '{app}' became available in {timeout_s:.0f}s.", 5) from None
+        except (ActorDiedError, ActorUnavailableError, RayActorError, StopAsyncIteration) as exc:
+            raise ReplicaGone(f"replica unavailable: {type(exc).__name__}") from None
+        except DeploymentUnavailableError:
+            raise unavailable(f"Model '{app}' is not deployed right now.", 5) from None
+        except RuntimeError as exc:  # the replica refused (its engine process is down)
+            raise ReplicaGone(f"replica refused lease: {exc}") from None
+        return ServeLease(gen, endpoint)
+
+    async def ready(self, app: str, timeout_s: float) -> bool:
+        try:
+            h = serve.get_deployment_handle(app, app_name=app)
+            return bool(await asyncio.wait_for(h.ready.remote(), timeout_s))
+        except Exception:
+            return False
