@@ -43,7 +43,7 @@ import httpx
 import yaml
 
 from serving.config import EngineConfig
-from serving.replica.engine import EngineSpec, single_process, vllm_command, vllm_env
+from serving.replica.engine import OFFLINE_ENV, EngineSpec, single_process, vllm_command, vllm_env
 from serving.replica.placement import claim_cores, engine_core_pid, pin_single_process, spare_cores
 
 __all__ = ["HA_ENV", "BenchModel", "Server", "make_server", "running"]
@@ -92,9 +92,7 @@ class BenchModel:
 
 def _base_env(ha: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in HA_ENV and k != "RAY_ADDRESS"}
-    env.update(
-        {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    )
+    env.update(OFFLINE_ENV)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return {**env, **HA_ENV} if ha else env
 

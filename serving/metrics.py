@@ -11,18 +11,15 @@ inter-token latency from 1 ms to 2 s, end-to-end from 10 ms to 10 minutes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["EngineMetrics", "GatewayMetrics", "status_class"]
+__all__ = ["EngineMetrics", "GatewayMetrics", "parse_prometheus_values", "samples"]
 
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2, 5, 10, 30, 60]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2]
 E2E_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600]
 REQ_KEYS = ("model", "version", "tenant")
-
-
-def status_class(status: int) -> str:
-    return f"{status // 100}xx"
 
 
 class GatewayMetrics:
@@ -91,16 +88,33 @@ class EngineMetrics:
             self.gauges[self.FIELDS[name]].set(value, tags=tags)
 
 
+def samples(text: str, contains: str = "") -> Iterator[tuple[str, dict[str, str], float]]:
+    """Each sample of a Prometheus text exposition as (name, labels, value), skipping lines that do
+    not contain ``contains`` and lines that do not parse.
+
+    Our own line parser, not ``prometheus_client.parser``: a model replica reads its engine's
+    exposition every second, and the library's parser, which builds a metric family object per
+    metric, cost about 20 times as much CPU per read (docs/performance.md, "Metrics parsing")."""
+    for line in text.splitlines():
+        if not line or line[0] == "#" or contains not in line:
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, rest = head.partition("{")
+        labels: dict[str, str] = {}
+        for part in rest.rstrip("}").split('",'):
+            k, _, v = part.partition('="')
+            if k:
+                labels[k.strip(",")] = v.rstrip('"')
+        try:
+            yield name, labels, float(value)
+        except ValueError:
+            continue
+
+
 def parse_prometheus_values(text: str, names: set[str]) -> dict[str, float]:
     """Sum the samples of the named metrics in a Prometheus text exposition."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+    for name, _, value in samples(text):
         if name in names:
-            try:
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-            except (ValueError, IndexError):
-                continue
+            out[name] = out.get(name, 0.0) + value
     return out

@@ -19,7 +19,7 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +59,6 @@ class RunSpec:
     checkpoint_every: int
     log_every: int
     parent_dir: str | None = None
-
-    def to_config(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _log(rank: int, message: str) -> None:

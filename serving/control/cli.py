@@ -16,6 +16,7 @@ from rich.console import Console
 
 from serving.config import ConfigError, StackConfig, load_config
 from serving.control.serve_config import build_serve_config
+from serving.replica.engine import OFFLINE_ENV
 
 if TYPE_CHECKING:
     from serving.control.stack import LocalDeployer, StackState
@@ -28,13 +29,7 @@ DEFAULT_CONFIG = Path("deployments/local.yaml")
 ConfigOpt = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="Stack config YAML.")
 
 # Environment for the local Ray head and everything it starts (Serve replicas, vLLM engines).
-LOCAL_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "VLLM_NO_USAGE_STATS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+LOCAL_ENV = {**OFFLINE_ENV, "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _load(path: Path, live: bool = True) -> StackConfig:

@@ -24,6 +24,7 @@ import httpx
 
 from serving.config import ModelVersion, StackConfig
 from serving.control.serve_config import app_name
+from serving.metrics import samples
 from serving.registry import CheckpointStore, RegistryError
 
 __all__ = [
@@ -141,28 +142,11 @@ def _save_routes(path: Path, cfg: StackConfig, model: str) -> None:
 # -- SLO comparison ----------------------------------------------------------------------------
 
 
-def _labels(line: str) -> tuple[str, dict[str, str], float]:
-    head, _, value = line.rpartition(" ")
-    name, _, rest = head.partition("{")
-    labels = {}
-    for part in rest.rstrip("}").split('",'):
-        k, _, v = part.partition('="')
-        if k:
-            labels[k.strip(",")] = v.rstrip('"')
-    return name, labels, float(value)
-
-
 def parse_stats(text: str, model: str) -> dict[str, VersionStats]:
     """Per-version request, error and TTFT totals of one model from a Prometheus exposition of
     the stack's metrics (Ray's exporter prefixes ``ray_``)."""
     out: dict[str, VersionStats] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#" or "raystack_" not in line:
-            continue
-        try:
-            name, labels, value = _labels(line)
-        except ValueError:
-            continue
+    for name, labels, value in samples(text, "raystack_"):
         if labels.get("model") != model or "version" not in labels:
             continue
         s = out.setdefault(labels["version"], VersionStats())

@@ -125,9 +125,6 @@ class EndpointTable:
         self._by_app, self._stale, self.loaded = fresh, set(stale), True
         return newly
 
-    def apps(self) -> dict[str, list[str]]:
-        return {app: sorted(reps) for app, reps in self._by_app.items()}
-
     def pick(self, app: str, limit: int = 0, now: float | None = None) -> DirectLease | None:
         """Power of two choices over ``app``'s live replicas by this gateway's in-flight counts;
         None when it has none (cold, not yet seen) or both choices are at ``limit`` (then

@@ -42,7 +42,6 @@ class ModelRoute:
 class Resolved:
     model: ModelRoute
     version: VersionRoute
-    explicit_version: bool
 
 
 @dataclass
@@ -101,8 +100,8 @@ class RoutingTable:
                     param="model",
                     code="model_not_found",
                 )
-            return Resolved(model, chosen, True)
-        return Resolved(model, self._weighted(model, rng or random), False)
+            return Resolved(model, chosen)
+        return Resolved(model, self._weighted(model, rng or random))
 
     @staticmethod
     def _weighted(model: ModelRoute, rng: Any) -> VersionRoute:

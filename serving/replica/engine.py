@@ -12,7 +12,16 @@ from pydantic import BaseModel, ConfigDict
 from serving.config import ConfigError, EngineConfig, ModelConfig
 from serving.replica.placement import cpu_bind_groups
 
-__all__ = ["EngineSpec", "check_layout", "single_process", "vllm_command", "vllm_env"]
+__all__ = ["OFFLINE_ENV", "EngineSpec", "check_layout", "single_process", "vllm_command", "vllm_env"]
+
+# Every process of the stack that may load a model or start Ray: no hub, no usage reports.
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "DO_NOT_TRACK": "1",
+}
 
 
 class EngineSpec(BaseModel):
@@ -112,12 +121,7 @@ def vllm_env(spec: EngineSpec, cores: list[int] | None = None) -> dict[str, str]
     """Environment for the engine process: offline, no prompt logging, CPU cache; for a
     single-process CPU engine, in-process execution with ``cpus_per_rank`` OpenMP threads, else
     the ranks' core binding (to ``cores`` when given, split over the ranks)."""
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-    }
+    env = dict(OFFLINE_ENV)
     if not spec.use_gpu:
         e = spec.engine
         env["VLLM_CPU_KVCACHE_SPACE"] = str(e.kv_cache_space_gib)

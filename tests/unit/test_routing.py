@@ -34,7 +34,6 @@ TABLE = {
 def test_resolve_names_aliases_versions_and_default() -> None:
     t = RoutingTable.from_user_config(TABLE)
     assert t.resolve("adder@v2").version.app == "adder--v2"
-    assert t.resolve("adder@v2").explicit_version
     assert t.resolve("stable").model.name == "adder"
     assert t.resolve(None).model.name == "adder"
     assert t.resolve("sub").version.version == "v1"
