@@ -44,7 +44,7 @@ import yaml
 
 from serving.config import EngineConfig
 from serving.replica.engine import OFFLINE_ENV, EngineSpec, single_process, vllm_command, vllm_env
-from serving.replica.placement import claim_cores, engine_core_pid, pin_single_process, spare_cores
+from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid
 
 __all__ = ["HA_ENV", "BenchModel", "Server", "make_server", "running"]
 
@@ -185,8 +185,7 @@ class Server:
         if engine is None:
             return
         cores = claim_cores(max(1, int(spec.cpus_per_rank)), self.proc.pid)
-        spare = spare_cores(cores)
-        pin_single_process(self.proc.pid, engine, cores, spare)
+        spare = EnginePinning(self.proc.pid, engine, cores).apply()
         print(f"  bare: EngineCore {engine} on cores {cores}, API server on {spare or 'every core'}", flush=True)
 
     def stop(self) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 __all__ = [
     "CORE_LEDGER",
+    "EnginePinning",
     "claim_cores",
     "claimed_cores",
     "cpu_bind_groups",
@@ -134,3 +135,25 @@ def pin_single_process(
     every = set(cpus if cpus is not None else os.sched_getaffinity(0))
     _set_affinity(engine_pid, set(cores) if spare else every)
     _set_affinity(api_pid, set(spare) if spare else every)
+
+
+class EnginePinning:
+    """Keeps one single-process CPU engine on its claimed ``cores`` and its API server on the
+    node's spare ones (:func:`pin_single_process`); :meth:`apply` re-applies the split when the
+    spare set changed (engines come and go on the node) and returns the API server's cores then,
+    None when nothing changed."""
+
+    def __init__(
+        self, api_pid: int, engine_pid: int, cores: list[int], cpus: list[int] | None = None, ledger: Path | None = None
+    ) -> None:
+        self.api_pid, self.engine_pid, self.cores = api_pid, engine_pid, cores
+        self.cpus, self.ledger = cpus, ledger
+        self.api_cores: list[int] | None = None
+
+    def apply(self) -> list[int] | None:
+        rest = spare_cores(self.cores, self.cpus, self.ledger)
+        if rest == self.api_cores:
+            return None
+        pin_single_process(self.api_pid, self.engine_pid, self.cores, rest, self.cpus)
+        self.api_cores = rest
+        return rest

@@ -36,7 +36,7 @@ import httpx
 from serving import contract
 from serving.contract import RUNNING_REQUESTS_KEY, Endpoint, LeaseHint
 from serving.replica.engine import EngineSpec, single_process, vllm_command, vllm_env
-from serving.replica.placement import claim_cores, engine_core_pid, pin_single_process, spare_cores
+from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid
 
 logger = logging.getLogger("ray.serve")
 
@@ -159,8 +159,8 @@ class ModelServer:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self._wait_ready()
         pin = self.cores and self.spec.engine.pin_cores and single_process(self.spec)
-        self._engine_pid = engine_core_pid(self.proc.pid) if pin else None
-        self._api_cores: list[int] | None = None
+        engine_pid = engine_core_pid(self.proc.pid) if pin else None
+        self._pinning = EnginePinning(self.proc.pid, engine_pid, self.cores) if engine_pid and self.cores else None
         self._pin()
         self._background_task: asyncio.Task[None] | None = None
         self._load = 0.0  # the engine's running + waiting requests, read every second
@@ -178,20 +178,19 @@ class ModelServer:
         """A single-process CPU engine on its claimed cores, its API server on the node's unclaimed
         ones (none when every core is claimed: then both may use every core); re-applied every few
         seconds as engines come and go on this node."""
-        if self._engine_pid is None or self.cores is None or self.proc.poll() is not None:
-            return
-        rest = spare_cores(self.cores)
-        if rest == self._api_cores:
+        pinning = self._pinning
+        if pinning is None or self.proc.poll() is not None:
             return
         try:
-            pin_single_process(self.proc.pid, self._engine_pid, self.cores, rest)
+            rest = pinning.apply()
         except OSError as exc:  # the engine is going away, or affinity is not ours to set
             logger.warning("cannot pin the engine: %s", exc)
-            self._engine_pid = None
+            self._pinning = None
             return
-        self._api_cores = rest
+        if rest is None:
+            return
         if rest:
-            logger.info("engine core process %d on cores %s, API server on %s", self._engine_pid, self.cores, rest)
+            logger.info("engine core process %d on cores %s, API server on %s", pinning.engine_pid, pinning.cores, rest)
         else:
             logger.info("every core is claimed by an engine: engine and API server unpinned")
 

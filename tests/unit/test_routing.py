@@ -214,7 +214,7 @@ def test_single_process_engine_is_pinned_apart_from_its_api_server(tmp_path: Pat
     import sys
     import time
 
-    from serving.replica.placement import claim_cores, engine_core_pid, pin_single_process, spare_cores
+    from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid, spare_cores
 
     cpus = sorted(os.sched_getaffinity(0))
     assert len(cpus) >= 2, "the pinning test needs two cores (CI has two)"
@@ -233,14 +233,15 @@ def test_single_process_engine_is_pinned_apart_from_its_api_server(tmp_path: Pat
             assert time.monotonic() < deadline, "the EngineCore stand-in did not start"
             time.sleep(0.05)
         cores = claim_cores(1, api.pid, cpus, ledger)
-        spare = spare_cores(cores, cpus, ledger)
-        assert cores == [cpus[0]] and spare == cpus[1:]
-        pin_single_process(api.pid, engine, cores, spare, cpus)
+        assert cores == [cpus[0]] and spare_cores(cores, cpus, ledger) == cpus[1:]
+        pinning = EnginePinning(api.pid, engine, cores, cpus, ledger)
+        assert pinning.apply() == cpus[1:]
         assert os.sched_getaffinity(engine) == {cpus[0]} and os.sched_getaffinity(api.pid) == set(cpus[1:])
+        assert pinning.apply() is None  # nothing changed on the node: nothing to re-apply
         # another engine claims the remaining cores: nothing spare, so both are unpinned again
         assert claim_cores(len(cpus), os.getpid(), cpus, ledger) == cpus
         assert spare_cores(cores, cpus, ledger) == []
-        pin_single_process(api.pid, engine, cores, [], cpus)
+        assert pinning.apply() == []
         assert os.sched_getaffinity(engine) == set(cpus) == os.sched_getaffinity(api.pid)
         assert engine_core_pid(engine) is None  # the stand-in started no EngineCore of its own
     finally:
