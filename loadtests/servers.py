@@ -45,6 +45,7 @@ import yaml
 from serving.config import EngineConfig
 from serving.replica.engine import OFFLINE_ENV, EngineSpec, single_process, vllm_command, vllm_env
 from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid
+from serving.waiting import poll
 
 __all__ = ["HA_ENV", "BenchModel", "Server", "make_server", "running"]
 
@@ -276,18 +277,15 @@ class Server:
 
 def wait_gpu_released(timeout_s: float = 180) -> None:
     """Until no process holds GPU memory (the next server needs all of it); engines exit late."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout
-        if not out.strip():
-            return
-        time.sleep(3)
-    raise TimeoutError(f"GPU still in use after {timeout_s:.0f}s: pids {out.split()}")
+    pids: list[str] = []
+
+    def released() -> bool:
+        cmd = ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"]
+        pids[:] = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.split()
+        return not pids
+
+    if not poll(released, timeout_s, 3):
+        raise TimeoutError(f"GPU still in use after {timeout_s:.0f}s: pids {pids}")
 
 
 def _serving_bin() -> str:
@@ -346,20 +344,21 @@ def wait_serving(
     """Until one small completion succeeds (an engine can list models before it can generate)."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     body = {"model": model, "prompt": "hello", "max_tokens": 2}
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
+    last = [""]
+
+    def serving() -> bool:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server process exited with {proc.returncode} while starting")
         try:
             r = httpx.post(f"{base_url}/v1/completions", json=body, headers=headers, timeout=30)
-            if r.status_code == 200:
-                return
-            last = f"{r.status_code} {r.text[:200]}"
         except httpx.HTTPError as exc:
-            last = type(exc).__name__
-        time.sleep(2)
-    raise TimeoutError(f"{base_url} not serving after {timeout_s:.0f}s (last: {last})")
+            last[0] = type(exc).__name__
+            return False
+        last[0] = f"{r.status_code} {r.text[:200]}"
+        return r.status_code == 200
+
+    if not poll(serving, timeout_s, 2):
+        raise TimeoutError(f"{base_url} not serving after {timeout_s:.0f}s (last: {last[0]})")
 
 
 def make_server(kind: str, model: BenchModel, log_dir: Path, **stack: Any) -> Server:

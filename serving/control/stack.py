@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from serving.config import LocalRayConfig, StackConfig
 from serving.control.serve_config import build_serve_config
 from serving.replica.engine import check_layout
 from serving.replica.placement import pid_alive
+from serving.waiting import poll, wait_until
 
 __all__ = [
     "StackState",
@@ -170,17 +170,17 @@ def start_ray(
     )
     state = StackState(name, proc.pid, ray.gcs_port, ray.dashboard_port, temp_dir, base_url)
     state.save()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+
+    def up() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"ray start exited with {proc.returncode}; see {RUN_DIR}/{name}-ray.log")
         try:
-            if httpx.get(f"{state.dashboard}/api/version", headers=state.auth(), timeout=2).status_code == 200:
-                return state
+            return httpx.get(f"{state.dashboard}/api/version", headers=state.auth(), timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("the local Ray head did not come up in 120 s")
+            return False
+
+    wait_until(up, 120, 1, "the local Ray head did not come up")
+    return state
 
 
 def deploy(state: StackState, serve_config: dict[str, Any]) -> None:
@@ -198,39 +198,37 @@ def serve_status(state: StackState) -> dict[str, Any]:
 
 def wait_running(state: StackState, apps: list[str], timeout_s: float, log: Any = print) -> None:
     """Wait until every named Serve application is RUNNING; fail fast on DEPLOY_FAILED."""
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
+    last = [""]
+
+    def running() -> bool:
         try:
             details = serve_status(state).get("applications", {})
         except httpx.HTTPError:  # a busy dashboard on 2 cores can be slow to answer
-            time.sleep(2)
-            continue
+            return False
         statuses = {a: details.get(a, {}).get("status", "MISSING") for a in apps}
         line = ", ".join(f"{a}={s}" for a, s in sorted(statuses.items()))
-        if line != last:
+        if line != last[0]:
             log(f"  {line}")
-            last = line
+            last[0] = line
         failed = [a for a, s in statuses.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")]
         if failed:
             msg = details[failed[0]].get("message", "")
             raise RuntimeError(f"application {failed[0]} failed: {msg[:2000]}")
-        if all(s == "RUNNING" for s in statuses.values()):
-            return
-        time.sleep(2)
-    raise TimeoutError(f"applications not RUNNING after {timeout_s:.0f}s: {last}")
+        return all(s == "RUNNING" for s in statuses.values())
+
+    if not poll(running, timeout_s, 2):
+        raise TimeoutError(f"applications not RUNNING after {timeout_s:.0f}s: {last[0]}")
 
 
 def wait_http(base_url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         try:
-            if httpx.get(f"{base_url}/ready", timeout=5).status_code == 200:
-                return
+            return httpx.get(f"{base_url}/ready", timeout=5).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{base_url}/ready did not answer 200 in {timeout_s:.0f}s")
+            return False
+
+    wait_until(ready, timeout_s, 1, f"{base_url}/ready did not answer 200")
 
 
 def stop_stack(name: str, log: Any = print) -> bool:
@@ -241,9 +239,7 @@ def stop_stack(name: str, log: Any = print) -> bool:
     if pid_alive(state.ray_pid):
         try:
             httpx.delete(f"{state.dashboard}/api/serve/applications/", headers=state.auth(), timeout=60)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and serve_status(state).get("applications"):
-                time.sleep(1)
+            poll(lambda: not serve_status(state).get("applications"), 60, 1)
         except httpx.HTTPError:
             pass
         for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 5)):
@@ -251,9 +247,7 @@ def stop_stack(name: str, log: Any = print) -> bool:
                 os.killpg(state.ray_pid, sig)
             except ProcessLookupError:
                 break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and pid_alive(state.ray_pid):
-                time.sleep(0.5)
+            poll(lambda: not pid_alive(state.ray_pid), wait, 0.5)
     (RUN_DIR / f"{name}.json").unlink(missing_ok=True)
     state.token_path.unlink(missing_ok=True)  # Ray's logs stay in state.temp_dir for debugging
     log(f"stopped stack {name!r} (ray head pid {state.ray_pid})")

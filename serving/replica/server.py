@@ -37,6 +37,7 @@ from serving import contract
 from serving.contract import RUNNING_REQUESTS_KEY, Endpoint, LeaseHint
 from serving.replica.engine import EngineSpec, single_process, vllm_command, vllm_env
 from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid
+from serving.waiting import poll
 
 logger = logging.getLogger("ray.serve")
 
@@ -239,18 +240,19 @@ class ModelServer:
         return {RUNNING_REQUESTS_KEY: self._load}
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.spec.startup_timeout_s
         with httpx.Client(timeout=2.0) as client:
-            while time.monotonic() < deadline:
+
+            def healthy() -> bool:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"vLLM exited with code {self.proc.returncode} during start")
                 try:
-                    if client.get(f"{self.endpoint.url}/health").status_code == 200:
-                        logger.info("vLLM ready for %s@%s", self.spec.model, self.spec.version)
-                        return
+                    return client.get(f"{self.endpoint.url}/health").status_code == 200
                 except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
+                    return False
+
+            if poll(healthy, self.spec.startup_timeout_s, 0.5):
+                logger.info("vLLM ready for %s@%s", self.spec.model, self.spec.version)
+                return
         self._stop()
         raise TimeoutError(f"vLLM not ready after {self.spec.startup_timeout_s}s")
 
