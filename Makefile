@@ -20,7 +20,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q $(TORCH_INDEX) -e '.[cpu,dev,loadtest]'
+	$(BIN)/python -m pip install -q $(TORCH_INDEX) -e '.[cpu,train,dev,loadtest]'
 	# PyPI's torchvision/torchaudio do not import beside the CPU torch and break transformers.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@

@@ -21,7 +21,7 @@ __all__ = ["GROUPS", "affinity_by_group", "cpu_by_group", "cpu_seconds", "group_
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine worker", ("VLLM::Worker",)),
     ("engine core", ("VLLM::EngineCor",)),
-    ("vLLM API server", ("vllm.entrypoints.openai.api_server",)),
+    ("vLLM API server", ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.openai.api_server")),
     ("gateway replica", ("ServeReplica:gateway:", "OpenAiIngress", "LLMRouter")),  # ours; stock ingress
     ("model replica", ("ServeReplica:",)),
     ("Serve proxy", ("ProxyActor", "haproxy")),

@@ -1,6 +1,6 @@
 """The servers the benchmark compares, each started and stopped by the benchmark itself.
 
-- ``bare``: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``), with the
+- ``bare``: vLLM's own OpenAI server (``python -m vllm.entrypoints.launchers.api_server.entry``), with the
   command line our model replicas use (:func:`serving.replica.engine.vllm_command`), so the engine
   arguments are the same by construction (on CPU with one rank that includes the single-process
   executor, :func:`serving.replica.engine.single_process`).

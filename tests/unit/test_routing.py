@@ -94,7 +94,7 @@ def test_engine_command_and_env() -> None:
         ),
     )
     cmd = vllm_command(spec, "127.0.0.1", 9000, "tok")
-    assert cmd[:2] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[:2] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
     assert cmd[cmd.index("--served-model-name") + 1] == "adder"
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert "--enforce-eager" in cmd and cmd[cmd.index("--block-size") + 1] == "16"
