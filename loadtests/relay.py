@@ -118,8 +118,13 @@ def gateway(port: int, upstream: str) -> None:
     import uvloop
 
     from serving.gateway.core import GatewayCore, GatewaySettings
-    from serving.gateway.listener import Listener
-    from serving.gateway.routes import create_api
+
+    try:
+        from serving.gateway.listener import Listener
+        from serving.gateway.routes import create_api
+    except ImportError:  # a checkout from before the gateway's modules were named for what they do
+        from serving.gateway.api import create_api  # type: ignore[no-redef]
+        from serving.gateway.direct import DirectListener as Listener  # type: ignore[no-redef]
 
     async def serve() -> None:
         leases = OneReplica(upstream)
