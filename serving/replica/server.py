@@ -1,17 +1,17 @@
 """The model deployment: one Ray Serve replica = one vLLM OpenAI server for one model version.
 
 Why not ``ray.serve.llm.LLMServer``: there every token travels back to the ingress as a Ray
-object-stream item, and the stock path measured at 0.46x bare vLLM's throughput on the 2-core box
-(shared/ENVIRONMENT.md). Here the replica runs vLLM's own OpenAI server as a child process on a
+object-stream item, which the benchmark measures far below bare vLLM (docs/performance.md,
+"Three servers"). Here the replica runs vLLM's own OpenAI server as a child process on a
 private port guarded by a per-replica random token, and the gateway streams HTTP bytes from it
 directly. Ray Serve still does what it is good at -- placement, health checks, restarts,
-autoscaling -- and the gateway finds the replica one of two ways:
+autoscaling -- and the gateway finds the replica one of two ways (:mod:`serving.contract`):
 
 - **direct** (``gateway.replica_routing: direct``, the default, for power-of-two routing): the
-  replica publishes its endpoint in Ray's key-value store (:mod:`serving.gateway.replicas`) and the
-  gateway picks among them itself; no Ray call per request. The replica reports its engine's
-  running + waiting requests to Serve's autoscaler (``record_autoscaling_stats``), and when Serve
-  stops it, it withdraws its endpoint and drains before stopping vLLM.
+  replica publishes its endpoint in Ray's key-value store and the gateway picks among them
+  itself; no Ray call per request. The replica reports its engine's running + waiting requests
+  to Serve's autoscaler (``record_autoscaling_stats``), and when Serve stops it, it withdraws
+  its endpoint and drains before stopping vLLM.
 - **lease**: one Serve call per request (prefix or session affinity, scale from zero, or
   ``replica_routing: serve``): ``lease()`` is a streaming method that yields the endpoint and stays
   open until the gateway cancels it when the request ends, so Serve's router sees it.
