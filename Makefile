@@ -52,7 +52,7 @@ check: install
 
 # Unit first, then the integration stack, then the e2e stacks (one stack at a time on 2 cores).
 test: install tools check
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/unit tests/integration tests/e2e
+	$(BIN)/python -m pytest -q --durations=40 $(PYTEST_ARGS) tests/unit tests/integration tests/e2e
 
 test-unit: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/unit
