@@ -88,9 +88,12 @@ class EngineMetrics:
             self.gauges[self.FIELDS[name]].set(value, tags=tags)
 
 
-def samples(text: str, contains: str = "") -> Iterator[tuple[str, dict[str, str], float]]:
+def samples(
+    text: str, contains: str = "", names: set[str] | None = None
+) -> Iterator[tuple[str, dict[str, str], float]]:
     """Each sample of a Prometheus text exposition as (name, labels, value), skipping lines that do
-    not contain ``contains`` and lines that do not parse.
+    not contain ``contains``, samples not in ``names`` (when given; their labels are not parsed)
+    and lines that do not parse.
 
     Our own line parser, not ``prometheus_client.parser``: a model replica reads its engine's
     exposition every second, and the library's parser, which builds a metric family object per
@@ -100,6 +103,8 @@ def samples(text: str, contains: str = "") -> Iterator[tuple[str, dict[str, str]
             continue
         head, _, value = line.rpartition(" ")
         name, _, rest = head.partition("{")
+        if names is not None and name not in names:
+            continue
         labels: dict[str, str] = {}
         for part in rest.rstrip("}").split('",'):
             k, _, v = part.partition('="')
@@ -114,7 +119,6 @@ def samples(text: str, contains: str = "") -> Iterator[tuple[str, dict[str, str]
 def parse_prometheus_values(text: str, names: set[str]) -> dict[str, float]:
     """Sum the samples of the named metrics in a Prometheus text exposition."""
     out: dict[str, float] = {}
-    for name, _, value in samples(text):
-        if name in names:
-            out[name] = out.get(name, 0.0) + value
+    for name, _, value in samples(text, names=names):
+        out[name] = out.get(name, 0.0) + value
     return out
