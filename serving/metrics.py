@@ -97,7 +97,7 @@ def samples(
 
     Our own line parser, not ``prometheus_client.parser``: a model replica reads its engine's
     exposition every second, and the library's parser, which builds a metric family object per
-    metric, cost about 20 times as much CPU per read (docs/performance.md, "Metrics parsing")."""
+    metric, cost many times the CPU per read (docs/performance.md, "Metrics parsing")."""
     for line in text.splitlines():
         if not line or line[0] == "#" or contains not in line:
             continue
