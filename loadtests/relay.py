@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["FixedLease", "OneReplica", "main"]
 
@@ -113,11 +114,27 @@ class OneReplica:
         return True
 
 
+def _core(leases: OneReplica) -> Any:
+    """A gateway core with one open model ``m``: today's config types, or a checkout's older ones."""
+    from serving.gateway import core
+
+    stack = {"auth": {"mode": "open"}, "models": [{"name": "m", "versions": [{"version": "v1"}]}]}
+    try:
+        from serving.config import GatewayConfig, parse_config
+        from serving.control.serve_config import routing_user_config
+
+        gateway = core.GatewayCore(GatewayConfig(), leases)
+        gateway.reconfigure(routing_user_config(parse_config(stack)))
+    except ImportError:  # a checkout from before the typed user_config
+        gateway = core.GatewayCore(core.GatewaySettings(), leases)  # type: ignore[attr-defined]
+        model = {"name": "m", "max_model_len": 1024, "versions": [{"version": "v1", "weight": 100, "app": "m"}]}
+        gateway.reconfigure({"auth": {"mode": "open"}, "models": [model]})
+    return gateway
+
+
 def gateway(port: int, upstream: str) -> None:
     """This checkout's gateway app (or ``--code``'s) with one fixed upstream replica."""
     import uvloop
-
-    from serving.gateway.core import GatewayCore, GatewaySettings
 
     try:
         from serving.gateway.listener import Listener
@@ -128,15 +145,7 @@ def gateway(port: int, upstream: str) -> None:
 
     async def serve() -> None:
         leases = OneReplica(upstream)
-        core = GatewayCore(GatewaySettings(), leases)
-        core.reconfigure(
-            {
-                "auth": {"mode": "open"},
-                "models": [
-                    {"name": "m", "max_model_len": 1024, "versions": [{"version": "v1", "weight": 100, "app": "m"}]}
-                ],
-            }
-        )
+        core = _core(leases)
         await Listener(create_api(core), "127.0.0.1", port).start()
         await asyncio.Event().wait()
 

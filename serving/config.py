@@ -218,6 +218,9 @@ class GatewayConfig(_Strict):
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
     retries: int = Field(2, ge=0, le=10, description="Retries on another replica before first byte.")
     upstream_timeout_s: float = Field(600, gt=0, description="Longest wait for a replica's bytes.")
+    max_upstream_connections: int = Field(
+        1024, ge=1, description="Pooled HTTP connections from one gateway replica to the model replicas."
+    )
     default_model: str | None = Field(None, description="Model used when a request names none.")
     expose_replica_header: bool = Field(
         False,

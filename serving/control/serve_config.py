@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.config import AutoscalingConfig, ModelConfig, ModelVersion, StackConfig
+from serving.gateway.routing import GatewayRoutes, ModelRoute, VersionRoute
 from serving.replica.engine import EngineSpec
 from serving.replica.routers import ROUTER_CLASSES
 
@@ -36,27 +37,30 @@ def _shed_at(m: ModelConfig) -> int:
 
 
 def routing_user_config(cfg: StackConfig) -> dict[str, Any]:
-    """The gateway's ``user_config``: routes and tenants (key hashes and env-var names, never keys)."""
-    return {
-        "default_model": cfg.gateway.default_model,
-        "auth": cfg.auth.model_dump(mode="json"),
-        "models": [
-            {
-                "name": m.name,
-                "aliases": list(m.aliases),
-                "max_model_len": m.engine.max_model_len,
-                "router": m.deployment.router,
-                "cold_start_timeout_s": m.deployment.cold_start_timeout_s,
-                "scale_to_zero": bool(m.deployment.autoscaling and m.deployment.autoscaling.min_replicas == 0),
-                "shed_low_priority_at": _shed_at(m),
-                "max_ongoing_requests": m.deployment.max_ongoing_requests,
-                "versions": [
-                    {"version": v.version, "weight": v.weight, "app": app_name(m.name, v.version)} for v in m.versions
-                ],
-            }
+    """The gateway's ``user_config``: a :class:`GatewayRoutes` (routes and tenants: key hashes and
+    env-var names, never keys) as JSON, validated again by the gateway."""
+    routes = GatewayRoutes(
+        default_model=cfg.gateway.default_model,
+        auth=cfg.auth,
+        models=tuple(
+            ModelRoute(
+                name=m.name,
+                aliases=tuple(m.aliases),
+                max_model_len=m.engine.max_model_len,
+                router=m.deployment.router,
+                cold_start_timeout_s=m.deployment.cold_start_timeout_s,
+                scale_to_zero=bool(m.deployment.autoscaling and m.deployment.autoscaling.min_replicas == 0),
+                shed_low_priority_at=_shed_at(m),
+                max_ongoing_requests=m.deployment.max_ongoing_requests,
+                versions=tuple(
+                    VersionRoute(version=v.version, weight=v.weight, app=app_name(m.name, v.version))
+                    for v in m.versions
+                ),
+            )
             for m in cfg.models
-        ],
-    }
+        ),
+    )
+    return routes.model_dump(mode="json")
 
 
 def _placement(m: ModelConfig) -> dict[str, Any]:
@@ -140,17 +144,8 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
         "name": GATEWAY_APP,
         "route_prefix": "/",
         "import_path": "serving.gateway.deployment:build_gateway",
-        "args": {
-            "settings": {
-                "max_body_bytes": g.max_body_bytes,
-                "retries": g.retries,
-                "upstream_timeout_s": g.upstream_timeout_s,
-                "expose_replica_header": g.expose_replica_header,
-                "replica_routing": g.replica_routing,
-            },
-            # ingress listener: every gateway replica serves the OpenAI API on host:port itself
-            "listen": {"host": g.host, "port": g.port} if g.ingress == "listener" else None,
-        },
+        # the gateway's own config, validated again on the replica (GatewayConfig.model_validate)
+        "args": {"config": g.model_dump(mode="json")},
         "deployments": [
             {
                 "name": "Gateway",

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
+from serving.config import AuthConfig, GatewayConfig
 from serving.contract import LeaseHint
 from serving.errors import NotFound, RateLimited, unavailable
 from serving.gateway.admission.auth import Authenticator, Tenant
@@ -20,24 +20,11 @@ from serving.gateway.admission.quota import QuotaClient
 from serving.gateway.protocol import ParsedRequest, StreamTap, usage_of
 from serving.gateway.relay import Upstream, UpstreamResult, forward
 from serving.gateway.replicas import Lease, LeaseProvider
-from serving.gateway.routing import Resolved, RoutingTable
+from serving.gateway.routing import GatewayRoutes, Resolved, RoutingTable
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["Exchange", "GatewayCore", "GatewaySettings"]
-
-
-@dataclass(frozen=True)
-class GatewaySettings:
-    max_body_bytes: int = 1_048_576
-    retries: int = 2
-    upstream_timeout_s: float = 600.0
-    max_connections: int = 1024
-    expose_replica_header: bool = False
-    replica_id: str = ""
-    # Ray Serve's proxy already echoes x-request-id on responses; plain ASGI use needs it added.
-    set_request_id_header: bool = True
-    replica_routing: str = "direct"  # direct | serve (serving.gateway.replicas)
+__all__ = ["Exchange", "GatewayCore"]
 
 
 class Exchange:
@@ -95,24 +82,33 @@ class Exchange:
 
 
 class GatewayCore:
-    def __init__(self, settings: GatewaySettings, leases: LeaseProvider, metrics: Any = None) -> None:
+    def __init__(
+        self,
+        settings: GatewayConfig,
+        leases: LeaseProvider,
+        metrics: Any = None,
+        replica_id: str = "",
+        set_request_id_header: bool = True,
+    ) -> None:
         self.settings = settings
+        self.replica_id = replica_id  # named in x-gateway-replica when expose_replica_header is on
+        # Ray Serve's proxy already echoes x-request-id on responses; plain ASGI use needs it added
+        self.set_request_id_header = set_request_id_header
         self.leases = leases
         self.metrics = metrics
         self.routes = RoutingTable()
-        self.auth = Authenticator({"mode": "keys"})
+        self.auth = Authenticator(AuthConfig(mode="open"))  # replaced by the first reconfigure
         self.quota = QuotaClient(60.0)
         self.in_flight: Counter[str] = Counter()
-        self.shed_limits: dict[str, int] = {}
-        self.client = Upstream(settings.max_connections, settings.upstream_timeout_s)
+        self.client = Upstream(settings.max_upstream_connections, settings.upstream_timeout_s)
         self._ready_cache: tuple[float, bool] = (0.0, False)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        self.routes = RoutingTable.from_user_config(user_config)
-        auth = user_config.get("auth", {"mode": "keys"})
-        self.auth = Authenticator(auth)
-        self.quota = QuotaClient(float(auth.get("window_s", 60)), self.quota._actor)
-        self.shed_limits = {m["name"]: int(m.get("shed_low_priority_at", 0)) for m in user_config["models"]}
+        """Apply the Serve ``user_config`` (a :class:`GatewayRoutes` as JSON) in place."""
+        routes = GatewayRoutes.model_validate(user_config)
+        self.routes = RoutingTable.from_routes(routes)
+        self.auth = Authenticator(routes.auth)
+        self.quota = QuotaClient(routes.auth.window_s, self.quota._actor)
         logger.info(
             "routing table: %s",
             {m.name: [(v.version, v.weight) for v in m.versions] for m in self.routes.models.values()},
@@ -138,7 +134,7 @@ class GatewayCore:
         return LeaseHint()
 
     def _shed(self, model: str, tenant: Tenant) -> None:
-        limit = self.shed_limits.get(model, 0)
+        limit = self.routes.models[model].shed_low_priority_at
         if limit and tenant.priority < 5 and self.in_flight[model] >= limit:
             if self.metrics:
                 self.metrics.shed.inc(tags={"model": model, "tenant": tenant.name})
@@ -163,7 +159,8 @@ class GatewayCore:
         model = resolved.model.name
         self._shed(model, tenant)
         hint = self.hint_for(resolved, parsed, session_id)
-        app, timeout, limit = resolved.version.app, resolved.model.cold_start_timeout_s, resolved.model.max_ongoing
+        app, timeout = resolved.version.app, resolved.model.cold_start_timeout_s
+        limit = resolved.model.max_ongoing_requests
         exchange = Exchange(self, parsed, resolved, tenant)
         self.in_flight[model] += 1
 

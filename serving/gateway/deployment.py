@@ -8,8 +8,9 @@ from typing import Any
 
 from ray import serve
 
+from serving.config import GatewayConfig
 from serving.contract import RUNNING_REQUESTS_KEY
-from serving.gateway.core import GatewayCore, GatewaySettings
+from serving.gateway.core import GatewayCore
 from serving.gateway.replicas import ReplicaFinder
 from serving.gateway.routes import create_api
 
@@ -20,33 +21,28 @@ __all__ = ["Gateway", "build_gateway"]
 
 @serve.ingress()
 class Gateway:
-    """Ingress deployment. ``settings`` are init args; the routing table is the ``user_config``
+    """Ingress deployment. ``config`` (the stack's ``GatewayConfig`` as JSON) is the init arg;
+    the routing table is the ``user_config``
     so promotions and weight changes are applied in place (``reconfigure``), with no restart.
 
     With ``listen`` (``gateway.ingress: listener``, the default) the replica serves the OpenAI API on
     that address itself (:mod:`serving.gateway.listener`); Serve's proxy still serves the same app on
     its own port. Without it, Serve's proxy is the only way in (``ingress: serve_proxy``)."""
 
-    def __init__(self, settings: dict[str, Any], listen: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: dict[str, Any]) -> None:
         from serving.metrics import GatewayMetrics
 
+        cfg = GatewayConfig.model_validate(config)
         replica = str(serve.get_replica_context().replica_tag)
-        settings = {
-            **settings,
-            "set_request_id_header": False,
-            "replica_id": replica,
-        }  # Serve's proxy sets x-request-id
-        gs = GatewaySettings(**settings)
-        self.leases = ReplicaFinder(direct=gs.replica_routing == "direct")
-        self.core = GatewayCore(gs, self.leases, GatewayMetrics())
+        self.leases = ReplicaFinder(direct=cfg.replica_routing == "direct")
+        # behind Serve's proxy, the proxy sets x-request-id; the listener sets it itself
+        self.core = GatewayCore(cfg, self.leases, GatewayMetrics(), replica_id=replica, set_request_id_header=False)
         self._listener = None
-        if listen:
+        if cfg.ingress == "listener":
             from serving.gateway.listener import Listener
 
             app = create_api(self.core, set_request_id_header=True)
-            self._listener = Listener(
-                app, listen["host"], int(listen["port"]), drain_s=float(listen.get("drain_s", 30))
-            )
+            self._listener = Listener(app, cfg.host, cfg.port)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         self.core.reconfigure(user_config)
@@ -73,4 +69,4 @@ class Gateway:
 
 def build_gateway(args: dict[str, Any]) -> Any:
     """Serve application builder (``import_path: serving.gateway.deployment:build_gateway``)."""
-    return serve.deployment(name="Gateway")(Gateway).bind(args["settings"], args.get("listen"))
+    return serve.deployment(name="Gateway")(Gateway).bind(args["config"])

@@ -156,7 +156,7 @@ class _Generate:
         if core.settings.expose_replica_header:
             headers["x-replica"] = result.replica
             headers["x-replica-route"] = result.route
-            headers["x-gateway-replica"] = core.settings.replica_id
+            headers["x-gateway-replica"] = core.replica_id
         if logger.isEnabledFor(logging.INFO):
             logger.info(
                 "[%s] %s tenant=%s model=%s@%s replica=%s (%s) attempts=%d %.1fms",
@@ -196,7 +196,7 @@ def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> 
     """The routes over ``core``. ``set_request_id_header``: echo ``x-request-id`` on responses
     (default: ``core.settings``; off behind Serve's proxy, which does it itself)."""
     app = FastAPI(title="raystack-llm gateway", docs_url=None, redoc_url=None)
-    rid_header = core.settings.set_request_id_header if set_request_id_header is None else set_request_id_header
+    rid_header = core.set_request_id_header if set_request_id_header is None else set_request_id_header
 
     def _error(exc: BaseException, rid: str) -> Response:
         resp = to_response(exc, rid)
@@ -204,7 +204,7 @@ def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> 
             logger.error("[%s] %s: %s", rid, type(exc).__name__, exc)
         headers = {**resp.headers, "x-request-id": rid} if rid_header else dict(resp.headers)
         if core.settings.expose_replica_header:
-            headers["x-gateway-replica"] = core.settings.replica_id
+            headers["x-gateway-replica"] = core.replica_id
         return Response(resp.body, resp.status, headers, media_type=_JSON)
 
     @app.exception_handler(StarletteHTTPException)

@@ -1,7 +1,10 @@
 """Routing table: model name / alias / ``model@version`` -> (model, version, Serve app).
 
 Built from the gateway's Serve ``user_config`` so a promotion (new weights, new versions) is
-applied in place by ``reconfigure`` without restarting gateway replicas. Pure logic, no Ray.
+applied in place by ``reconfigure`` without restarting gateway replicas. The ``user_config`` is a
+:class:`GatewayRoutes` dumped to JSON by the control plane
+(:func:`serving.control.serve_config.routing_user_config`) and validated here: every field is
+required, so no default is restated on this side of the Serve boundary. Pure logic, no Ray.
 """
 
 from __future__ import annotations
@@ -10,32 +13,47 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
+from serving.config import AuthConfig, RouterName
 from serving.errors import NotFound
 
-__all__ = ["ModelRoute", "Resolved", "RoutingTable", "VersionRoute"]
+__all__ = ["GatewayRoutes", "ModelRoute", "Resolved", "RoutingTable", "VersionRoute"]
 
 
-@dataclass(frozen=True)
-class VersionRoute:
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class VersionRoute(_Wire):
     version: str
     weight: int
     app: str  # Serve application (and deployment) name of this model version
 
 
-@dataclass(frozen=True)
-class ModelRoute:
+class ModelRoute(_Wire):
     name: str
     aliases: tuple[str, ...]
     versions: tuple[VersionRoute, ...]
     max_model_len: int
-    router: str = "power_of_two"
-    cold_start_timeout_s: float = 120.0
-    scale_to_zero: bool = False
-    created: int = 0
-    max_ongoing: int = 0  # per replica; a gateway picking directly leases through Serve beyond it
+    router: RouterName
+    cold_start_timeout_s: float
+    scale_to_zero: bool
+    shed_low_priority_at: int  # in-flight requests (this gateway replica) above which low priority is shed
+    max_ongoing_requests: int  # per replica; a gateway picking directly leases through Serve beyond it
+    created: int = 0  # shown by /v1/models
 
     def version(self, version: str) -> VersionRoute | None:
         return next((v for v in self.versions if v.version == version), None)
+
+
+class GatewayRoutes(_Wire):
+    """The gateway's Serve ``user_config``: routes and tenants (key hashes and env-var names,
+    never keys)."""
+
+    default_model: str | None
+    auth: AuthConfig
+    models: tuple[ModelRoute, ...]
 
 
 @dataclass(frozen=True)
@@ -51,20 +69,9 @@ class RoutingTable:
     default_model: str | None = None
 
     @classmethod
-    def from_user_config(cls, cfg: dict[str, Any]) -> RoutingTable:
-        table = cls(default_model=cfg.get("default_model"))
-        for m in cfg.get("models", []):
-            route = ModelRoute(
-                name=m["name"],
-                aliases=tuple(m.get("aliases", ())),
-                versions=tuple(VersionRoute(**v) for v in m["versions"]),
-                max_model_len=int(m["max_model_len"]),
-                router=m.get("router", "power_of_two"),
-                cold_start_timeout_s=float(m.get("cold_start_timeout_s", 120.0)),
-                scale_to_zero=bool(m.get("scale_to_zero", False)),
-                created=int(m.get("created", 0)),
-                max_ongoing=int(m.get("max_ongoing_requests", 0)),
-            )
+    def from_routes(cls, routes: GatewayRoutes) -> RoutingTable:
+        table = cls(default_model=routes.default_model)
+        for route in routes.models:
             table.models[route.name] = route
             for alias in route.aliases:
                 table.aliases[alias] = route.name

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from serving.config import AuthConfig
 from serving.errors import AuthenticationError
 from serving.gateway.admission.auth import ANONYMOUS, Authenticator, hash_key, new_key
 from serving.gateway.admission.quota import WindowCounter, rate_limit_headers
@@ -11,13 +12,15 @@ def test_hashed_and_env_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     k1, k2 = new_key(), new_key()
     monkeypatch.setenv("TEAM_B_KEY", k2)
     auth = Authenticator(
-        {
-            "mode": "keys",
-            "tenants": [
-                {"name": "a", "key_hashes": [hash_key(k1)], "models": ["adder"], "rpm": 5},
-                {"name": "b", "key_env": "TEAM_B_KEY"},
-            ],
-        }
+        AuthConfig.model_validate(
+            {
+                "mode": "keys",
+                "tenants": [
+                    {"name": "a", "key_hashes": [hash_key(k1)], "models": ["adder"], "rpm": 5},
+                    {"name": "b", "key_env": "TEAM_B_KEY"},
+                ],
+            }
+        )
     )
     assert auth.authenticate(f"Bearer {k1}").name == "a"
     assert auth.authenticate(f"Bearer {k1}").name == "a"  # cached path
@@ -36,7 +39,7 @@ def test_hash_is_salted_and_not_the_key() -> None:
 
 
 def test_open_mode_is_anonymous() -> None:
-    assert Authenticator({"mode": "open"}).authenticate(None) is ANONYMOUS
+    assert Authenticator(AuthConfig(mode="open")).authenticate(None) is ANONYMOUS
 
 
 def test_window_counter_requests_and_tokens() -> None:

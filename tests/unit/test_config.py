@@ -134,3 +134,20 @@ def test_configuration_reference_is_current() -> None:
 
     doc = (ROOT / "docs" / "configuration.md").read_text()
     assert doc == config_reference(), "run: serving config-reference > docs/configuration.md"
+
+
+def test_typed_config_crosses_the_serve_boundary_unchanged() -> None:
+    """The gateway's init arg and user_config are the control plane's models dumped to JSON;
+    the gateway validates them back into the same models (no defaults restated on its side)."""
+    from serving.config import GatewayConfig
+    from serving.gateway.routing import GatewayRoutes
+
+    cfg = load_config(ROOT / "tests" / "integration" / "stack.yaml")
+    (gateway,) = [a for a in build_serve_config(cfg)["applications"] if a["name"] == "gateway"]
+    assert GatewayConfig.model_validate(gateway["args"]["config"]) == cfg.gateway
+    routes = GatewayRoutes.model_validate(gateway["deployments"][0]["user_config"])
+    assert routes.auth == cfg.auth and [m.name for m in routes.models] == [m.name for m in cfg.models]
+    assert routes.models[1].max_ongoing_requests == cfg.models[1].deployment.max_ongoing_requests
+    broken = {**gateway["deployments"][0]["user_config"], "unknown": 1}
+    with pytest.raises(ValueError, match="unknown"):
+        GatewayRoutes.model_validate(broken)

@@ -95,7 +95,8 @@ def test_autoscaling_key_exists_in_this_ray() -> None:
 
 def test_direct_ingress_is_the_default_and_moves_serves_proxy_aside() -> None:
     sc = build_serve_config(parse_config({"auth": {"mode": "open"}, "models": [MODEL], "gateway": {"port": 9100}}))
-    assert sc["applications"][0]["args"]["listen"] == {"host": "127.0.0.1", "port": 9100}
+    gateway = sc["applications"][0]["args"]["config"]
+    assert (gateway["ingress"], gateway["host"], gateway["port"]) == ("listener", "127.0.0.1", 9100)
     assert sc["http_options"]["port"] == 9101
     sc = build_serve_config(
         parse_config({"auth": {"mode": "open"}, "models": [MODEL], "gateway": {"port": 9100, "proxy_port": 9200}})
@@ -107,7 +108,7 @@ def test_serve_proxy_ingress_keeps_the_port_on_serves_proxy() -> None:
     sc = build_serve_config(
         parse_config({"auth": {"mode": "open"}, "models": [MODEL], "gateway": {"port": 9100, "ingress": "serve_proxy"}})
     )
-    assert sc["applications"][0]["args"]["listen"] is None
+    assert sc["applications"][0]["args"]["config"]["ingress"] == "serve_proxy"
     assert sc["http_options"]["port"] == 9100
 
 

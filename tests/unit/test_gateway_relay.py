@@ -15,7 +15,9 @@ import httpx
 from aiohttp import web
 
 from loadtests.relay import OneReplica
-from serving.gateway.core import GatewayCore, GatewaySettings
+from serving.config import GatewayConfig, parse_config
+from serving.control.serve_config import routing_user_config
+from serving.gateway.core import GatewayCore
 from serving.gateway.listener import Listener
 from serving.gateway.routes import create_api
 from serving.replica.server import free_port
@@ -60,15 +62,9 @@ async def _stack(gap_s: float) -> AsyncIterator[tuple[str, Replica, OneReplica, 
     replica = Replica(gap_s)
     async with http_replica(replica.handle) as replica_url:
         leases = OneReplica(replica_url)
-        core = GatewayCore(GatewaySettings(), leases)
-        core.reconfigure(
-            {
-                "auth": {"mode": "open"},
-                "models": [
-                    {"name": "m", "max_model_len": 512, "versions": [{"version": "v1", "weight": 100, "app": "m--v1"}]}
-                ],
-            }
-        )
+        core = GatewayCore(GatewayConfig(), leases)
+        stack = {"auth": {"mode": "open"}, "models": [{"name": "m", "versions": [{"version": "v1"}]}]}
+        core.reconfigure(routing_user_config(parse_config(stack)))
         port = free_port()
         listener = Listener(create_api(core, set_request_id_header=True), "127.0.0.1", port, drain_s=2)
         await listener.start()

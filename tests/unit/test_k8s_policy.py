@@ -481,8 +481,8 @@ def required_ports(obj: dict[str, Any]) -> Iterator[tuple[str, str, int]]:
 def gateway_port(serve_config: dict[str, Any]) -> int:
     """Where the OpenAI API answers: the gateway replicas' own listener, else Serve's proxy."""
     (gw,) = [a for a in serve_config["applications"] if a["name"] == "gateway"]
-    listen = gw["args"].get("listen")
-    return int(listen["port"]) if listen else int(serve_config["http_options"]["port"])
+    config = gw["args"]["config"]
+    return int(config["port"]) if config["ingress"] == "listener" else int(serve_config["http_options"]["port"])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

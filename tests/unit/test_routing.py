@@ -7,32 +7,45 @@ from pathlib import Path
 
 import pytest
 
-from serving.config import EngineConfig, ModelConfig
+from serving.config import EngineConfig, ModelConfig, parse_config
+from serving.control.serve_config import routing_user_config
 from serving.errors import NotFound
-from serving.gateway.routing import RoutingTable
+from serving.gateway.routing import GatewayRoutes, RoutingTable
 from serving.replica.engine import EngineSpec, single_process, vllm_command, vllm_env
 from serving.replica.placement import cpu_bind_groups
 from serving.replica.routers import pick_by_session
 
-TABLE = {
-    "default_model": "adder",
-    "models": [
-        {
-            "name": "adder",
-            "aliases": ["stable"],
-            "max_model_len": 64,
-            "versions": [
-                {"version": "v1", "weight": 90, "app": "adder--v1"},
-                {"version": "v2", "weight": 10, "app": "adder--v2"},
-            ],
-        },
-        {"name": "sub", "max_model_len": 64, "versions": [{"version": "v1", "weight": 100, "app": "sub--v1"}]},
-    ],
-}
+
+def _table(adder_weights: tuple[int, int] = (90, 10)) -> dict[str, object]:
+    """The gateway's user_config for two models, built the way the control plane builds it."""
+    v1, v2 = adder_weights
+    return routing_user_config(
+        parse_config(
+            {
+                "auth": {"mode": "open"},
+                "gateway": {"default_model": "adder"},
+                "models": [
+                    {
+                        "name": "adder",
+                        "aliases": ["stable"],
+                        "versions": [{"version": "v1", "weight": v1}, {"version": "v2", "weight": v2}],
+                    },
+                    {"name": "sub", "versions": [{"version": "v1"}]},
+                ],
+            }
+        )
+    )
+
+
+TABLE = _table()
+
+
+def _routes(user_config: dict[str, object]) -> RoutingTable:
+    return RoutingTable.from_routes(GatewayRoutes.model_validate(user_config))
 
 
 def test_resolve_names_aliases_versions_and_default() -> None:
-    t = RoutingTable.from_user_config(TABLE)
+    t = _routes(TABLE)
     assert t.resolve("adder@v2").version.app == "adder--v2"
     assert t.resolve("stable").model.name == "adder"
     assert t.resolve(None).model.name == "adder"
@@ -46,28 +59,17 @@ def test_resolve_names_aliases_versions_and_default() -> None:
 
 
 def test_weights_split_traffic() -> None:
-    t = RoutingTable.from_user_config(TABLE)
+    t = _routes(TABLE)
     rng = random.Random(0)
     counts = Counter(t.resolve("adder", rng).version.version for _ in range(5000))
     assert 0.07 < counts["v2"] / 5000 < 0.13
 
 
 def test_zero_weight_version_gets_no_bare_traffic() -> None:
-    cfg = {
-        **TABLE,
-        "models": [
-            {
-                **TABLE["models"][0],
-                "versions": [
-                    {"version": "v1", "weight": 100, "app": "a1"},
-                    {"version": "v2", "weight": 0, "app": "a2"},
-                ],
-            }
-        ],
-    }
-    t = RoutingTable.from_user_config(cfg)
+    cfg = _table((100, 0))
+    t = _routes(cfg)
     assert {t.resolve("adder").version.version for _ in range(200)} == {"v1"}
-    assert t.resolve("adder@v2").version.app == "a2"
+    assert t.resolve("adder@v2").version.app == "adder--v2"
 
 
 def test_session_hashing_is_stable_and_spreads() -> None:

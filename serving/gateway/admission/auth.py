@@ -13,8 +13,8 @@ import logging
 import os
 import secrets
 from dataclasses import dataclass
-from typing import Any
 
+from serving.config import AuthConfig
 from serving.errors import AuthenticationError
 
 logger = logging.getLogger("serving.gateway")
@@ -53,24 +53,21 @@ def _digest(key: str) -> bytes:
 class Authenticator:
     """Maps a bearer key to its tenant. Built from the gateway's user_config ``auth`` section."""
 
-    def __init__(self, auth: dict[str, Any]) -> None:
-        self.open = auth.get("mode", "keys") == "open"
+    def __init__(self, auth: AuthConfig) -> None:
+        self.open = auth.mode == "open"
         self._hashed: list[tuple[str, str, Tenant]] = []  # (salt, hexdigest, tenant)
         self._cache: dict[bytes, Tenant] = {}
-        for t in auth.get("tenants", []):
-            tenant = Tenant(
-                t["name"], frozenset(t.get("models", ["*"])), t.get("rpm"), t.get("tpm"), int(t.get("priority", 5))
-            )
-            for h in t.get("key_hashes", []):
+        for t in auth.tenants:
+            tenant = Tenant(t.name, frozenset(t.models), t.rpm, t.tpm, t.priority)
+            for h in t.key_hashes:
                 _, salt, hexd = h.split("$")
                 self._hashed.append((salt, hexd, tenant))
-            env = t.get("key_env")
-            if env:
-                key = os.environ.get(env)
+            if t.key_env:
+                key = os.environ.get(t.key_env)
                 if key:
                     self._cache[_digest(key)] = tenant
                 else:
-                    logger.warning("tenant %s: environment variable %s is not set", t["name"], env)
+                    logger.warning("tenant %s: environment variable %s is not set", t.name, t.key_env)
         if self.open:
             logger.warning(
                 "AUTH IS OFF (auth.mode: open): every request is accepted without a key. "
