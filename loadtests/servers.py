@@ -43,7 +43,7 @@ import httpx
 import yaml
 
 from serving.config import EngineConfig
-from serving.replica.engine import OFFLINE_ENV, EngineSpec, single_process, vllm_command, vllm_env
+from serving.replica.engine import OFFLINE_ENV, EngineSpec, engine_args, single_process, vllm_command, vllm_env
 from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid
 from serving.waiting import poll
 
@@ -65,20 +65,8 @@ class BenchModel:
     name: str = "bench"
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """The same arguments as ``vllm_command`` passes, for ``LLMConfig.engine_kwargs``."""
-        e = self.engine
-        kw: dict[str, Any] = {
-            "dtype": e.dtype,
-            "max_model_len": e.max_model_len,
-            "max_num_seqs": e.max_num_seqs,
-            "tensor_parallel_size": e.tensor_parallel_size,
-            "enable_prefix_caching": e.enable_prefix_caching,
-            "seed": e.seed,
-        }
-        if self.use_gpu:
-            kw["gpu_memory_utilization"] = e.gpu_memory_utilization
-        kw.update({k.replace("-", "_"): v for k, v in e.extra_args.items()})
-        return kw
+        """The engine arguments ``vllm_command`` passes, for ``LLMConfig.engine_kwargs``."""
+        return dict(engine_args(self.spec()))
 
     def spec(self) -> EngineSpec:
         return EngineSpec(

@@ -81,9 +81,28 @@ def single_process(spec: EngineSpec) -> bool:
     return not spec.use_gpu and spec.world_size == 1 and backend in (None, "uni")
 
 
+def engine_args(spec: EngineSpec) -> dict[str, str | int | float | bool]:
+    """The engine arguments of a model's config, by vLLM's own names (``max_model_len``, ...):
+    one source for the server's command line (:func:`vllm_command`) and for Ray Serve LLM's
+    ``engine_kwargs`` in the benchmark. ``extra_args`` come last and win."""
+    e = spec.engine
+    args: dict[str, str | int | float | bool] = {
+        "max_model_len": e.max_model_len,
+        "dtype": e.dtype,
+        "max_num_seqs": e.max_num_seqs,
+        "tensor_parallel_size": e.tensor_parallel_size,
+        "pipeline_parallel_size": e.pipeline_parallel_size,
+        "seed": e.seed,
+        "enable_prefix_caching": e.enable_prefix_caching,
+    }
+    if spec.use_gpu:
+        args["gpu_memory_utilization"] = e.gpu_memory_utilization
+    args.update({key.replace("-", "_"): value for key, value in e.extra_args.items()})
+    return args
+
+
 def vllm_command(spec: EngineSpec, host: str, port: int, token: str) -> list[str]:
     """Arguments after ``python`` that start vLLM's OpenAI server for this spec."""
-    e = spec.engine
     args = [
         "-m",
         VLLM_SERVER_MODULE,
@@ -96,29 +115,14 @@ def vllm_command(spec: EngineSpec, host: str, port: int, token: str) -> list[str
         "--port",
         str(port),
         f"--api-key={token}",  # one argument: a token_urlsafe token may start with "-"
-        "--max-model-len",
-        str(e.max_model_len),
-        "--dtype",
-        e.dtype,
-        "--max-num-seqs",
-        str(e.max_num_seqs),
-        "--tensor-parallel-size",
-        str(e.tensor_parallel_size),
-        "--pipeline-parallel-size",
-        str(e.pipeline_parallel_size),
-        "--seed",
-        str(e.seed),
-        "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
         "--disable-uvicorn-access-log",
         "--uvicorn-log-level",
         "warning",
         "--disable-fastapi-docs",
     ]
-    if spec.use_gpu:
-        args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
     if single_process(spec) and _extra(spec, "distributed-executor-backend") is None:
         args += ["--distributed-executor-backend", "uni"]
-    for key, value in e.extra_args.items():
+    for key, value in engine_args(spec).items():
         if value is True:
             args.append(_flag(key))
         elif value is False:
