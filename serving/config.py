@@ -216,12 +216,34 @@ class GatewayConfig(_Strict):
     )
     num_cpus: float = Field(0.5, gt=0, description="Logical CPUs reserved per gateway replica.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
-    retries: int = Field(2, ge=0, le=10, description="Retries on another replica before first byte.")
-    upstream_timeout_s: float = Field(600, gt=0, description="Longest wait for a replica's bytes.")
+    retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="Retries on another replica, only of failures safe to resend: connection refused or "
+        "reset before any response byte, replica dead (lease died, vLLM 503), first_byte_timeout_s passed.",
+    )
+    retry_budget_ratio: float = Field(
+        0.2, ge=0, le=10, description="Retries allowed per request over the last 10 s (plus retry_budget_min)."
+    )
+    retry_budget_min: int = Field(10, ge=0, description="Retries per 10 s always allowed, whatever the traffic.")
+    first_byte_timeout_s: float = Field(
+        120,
+        gt=0,
+        description="Per try: longest wait for a replica's first byte (for a non-streamed request, the whole "
+        "answer); then the try is abandoned and retried elsewhere.",
+    )
+    upstream_timeout_s: float = Field(600, gt=0, description="Longest wait between two bytes of a replica's answer.")
+    max_upstream_connections: int = Field(
+        1024, ge=1, description="Requests one gateway replica has open to model replicas at once."
+    )
+    upstream_pool_wait_s: float = Field(
+        10, gt=0, description="Longest wait for a free upstream connection; then 503 (the replica is not blamed)."
+    )
     default_model: str | None = Field(None, description="Model used when a request names none.")
     expose_replica_header: bool = Field(
         False,
-        description="Add x-replica (the serving replica), x-replica-route (direct | serve) and "
+        description="Add x-replica (the serving replica), x-replica-route (direct | serve), x-upstream-attempts and "
         "x-gateway-replica to responses; for debugging.",
     )
 

@@ -205,9 +205,10 @@ def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
     )
 
 
-def normalize_upstream_error(status: int, raw: bytes) -> bytes:
-    """vLLM's 4xx bodies use ``type: BadRequestError`` and numeric codes; rewrite them to
-    OpenAI's shape (``invalid_request_error``) keeping vLLM's message and param."""
+def normalize_upstream_error(status: int, raw: bytes, request_id: str = "") -> bytes:
+    """vLLM's error bodies use ``type: BadRequestError`` and numeric codes; rewrite them to
+    OpenAI's shape (``invalid_request_error`` for 4xx, ``server_error`` for 5xx) keeping vLLM's
+    message and param; a 5xx message carries the request id, as the gateway's own 5xx do."""
     try:
         err = msgspec.json.decode(raw).get("error", {})
         message = str(err.get("message") or "invalid request")
@@ -215,6 +216,8 @@ def normalize_upstream_error(status: int, raw: bytes) -> bytes:
     except (msgspec.DecodeError, AttributeError):
         message, param = raw.decode("utf-8", "replace")[:500] or "invalid request", None
     type_ = "invalid_request_error" if status < 500 else "server_error"
+    if status >= 500 and request_id:
+        message = f"{message} (request id {request_id})"
     if isinstance(param, str) and param.startswith("body."):
         param = param[5:]
     return error_body(message, type_, param if isinstance(param, str) else None, None)

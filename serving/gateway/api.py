@@ -156,6 +156,7 @@ class _Generate:
         if core.settings.expose_replica_header:
             headers["x-replica"] = result.replica
             headers["x-replica-route"] = result.route
+            headers["x-upstream-attempts"] = str(result.attempts)
             headers["x-gateway-replica"] = core.settings.replica_id
         if logger.isEnabledFor(logging.INFO):
             logger.info(

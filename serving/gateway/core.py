@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from serving.errors import NotFound, Unavailable
 from serving.gateway.auth import Authenticator, Tenant
-from serving.gateway.proxy import Lease, Upstream, UpstreamResult, forward
+from serving.gateway.proxy import Lease, RetryBudget, Upstream, UpstreamResult, forward
 from serving.gateway.quota import QuotaClient
 from serving.gateway.routing import Resolved, RoutingTable
 from serving.models.server import LeaseHint
@@ -31,7 +31,11 @@ class GatewaySettings:
     max_body_bytes: int = 1_048_576
     retries: int = 2
     upstream_timeout_s: float = 600.0
+    first_byte_timeout_s: float = 120.0
+    retry_budget_ratio: float = 0.2
+    retry_budget_min: int = 10
     max_connections: int = 1024
+    pool_wait_s: float = 10.0
     expose_replica_header: bool = False
     replica_id: str = ""
     # Ray Serve's proxy already echoes x-request-id on responses; plain ASGI use needs it added.
@@ -113,7 +117,8 @@ class GatewayCore:
         self.quota = QuotaClient(60.0)
         self.in_flight: Counter[str] = Counter()
         self.shed_limits: dict[str, int] = {}
-        self.client = Upstream(settings.max_connections, settings.upstream_timeout_s)
+        self.client = Upstream(settings.max_connections, settings.upstream_timeout_s, pool_wait_s=settings.pool_wait_s)
+        self.retry_budget = RetryBudget(settings.retry_budget_ratio, settings.retry_budget_min)
         self._ready_cache: tuple[float, bool] = (0.0, False)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -189,6 +194,8 @@ class GatewayCore:
                 request_id=request_id,
                 retries=self.settings.retries,
                 obs=exchange,
+                budget=self.retry_budget,
+                first_byte_s=self.settings.first_byte_timeout_s,
             )
         except BaseException as exc:
             exchange.finish(getattr(exc, "status", 500))
