@@ -79,8 +79,13 @@ def single_process(spec: EngineSpec) -> bool:
     return not spec.use_gpu and spec.world_size == 1 and backend in (None, "uni")
 
 
-def vllm_command(spec: EngineSpec, host: str, port: int, token: str) -> list[str]:
-    """Arguments after ``python`` that start vLLM's OpenAI server for this spec."""
+GUARD = "serving.models.engine_guard.RequireToken"
+
+
+def vllm_command(spec: EngineSpec, host: str, port: int) -> list[str]:
+    """Arguments after ``python`` that start vLLM's OpenAI server for this spec. No secret is
+    among them (``ps`` shows them to every local user): the token travels in the environment
+    (:func:`vllm_env`) and :mod:`serving.models.engine_guard` requires it on every route."""
     e = spec.engine
     args = [
         "-m",
@@ -93,7 +98,8 @@ def vllm_command(spec: EngineSpec, host: str, port: int, token: str) -> list[str
         host,
         "--port",
         str(port),
-        f"--api-key={token}",  # one argument: a token_urlsafe token may start with "-"
+        "--middleware",
+        GUARD,
         "--max-model-len",
         str(e.max_model_len),
         "--dtype",
@@ -234,8 +240,9 @@ def pin_single_process(
     _set_affinity(api_pid, set(spare) if spare else every)
 
 
-def vllm_env(spec: EngineSpec, cores: list[int] | None = None) -> dict[str, str]:
-    """Environment for the engine process: offline, no prompt logging, CPU cache; for a
+def vllm_env(spec: EngineSpec, cores: list[int] | None = None, token: str | None = None) -> dict[str, str]:
+    """Environment for the engine process: its token (``VLLM_API_KEY``, read by vLLM and by the
+    guard middleware), offline, no prompt logging, CPU cache; for a
     single-process CPU engine, in-process execution with ``cpus_per_rank`` OpenMP threads, else
     the ranks' core binding (to ``cores`` when given, split over the ranks)."""
     env = {
@@ -244,6 +251,8 @@ def vllm_env(spec: EngineSpec, cores: list[int] | None = None) -> dict[str, str]
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
+    if token:
+        env["VLLM_API_KEY"] = token
     if not spec.use_gpu:
         e = spec.engine
         env["VLLM_CPU_KVCACHE_SPACE"] = str(e.kv_cache_space_gib)
