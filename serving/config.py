@@ -240,6 +240,7 @@ class GatewayConfig(_Strict):
     upstream_pool_wait_s: float = Field(
         10, gt=0, description="Longest wait for a free upstream connection; then 503 (the replica is not blamed)."
     )
+    max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request); larger gets 400.")
     default_model: str | None = Field(None, description="Model used when a request names none.")
     expose_replica_header: bool = Field(
         False,

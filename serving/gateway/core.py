@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from serving.errors import NotFound, Unavailable
+from serving.errors import InvalidRequest, NotFound, Unavailable
 from serving.gateway.auth import Authenticator, Tenant
 from serving.gateway.proxy import Lease, RetryBudget, Upstream, UpstreamResult, forward
 from serving.gateway.quota import QuotaClient
@@ -36,6 +36,7 @@ class GatewaySettings:
     retry_budget_min: int = 10
     max_connections: int = 1024
     pool_wait_s: float = 10.0
+    max_n: int = 8
     expose_replica_header: bool = False
     replica_id: str = ""
     # Ray Serve's proxy already echoes x-request-id on responses; plain ASGI use needs it added.
@@ -56,13 +57,26 @@ def unavailable(message: str, retry_after: int = 1) -> Unavailable:
 class Exchange:
     """One request's bookkeeping: usage, timings, quota use and metrics, finished exactly once."""
 
-    def __init__(self, core: GatewayCore, parsed: ParsedRequest, resolved: Resolved, tenant: Tenant) -> None:
+    def __init__(
+        self,
+        core: GatewayCore,
+        parsed: ParsedRequest,
+        resolved: Resolved,
+        tenant: Tenant,
+        ticket: int = 0,
+        reserved: int = 0,
+    ) -> None:
         self.core, self.parsed, self.tenant = core, parsed, tenant
+        self.ticket, self.reserved = ticket, reserved  # the TPM reservation, settled in finish
         self.model, self.version = resolved.model.name, resolved.version.version
         self.started = time.monotonic()
         self.first_at: float | None = None
         self.last_at = self.started
-        self.tap = StreamTap(strip_usage=not parsed.include_usage) if parsed.stream else None
+        self.tap = (
+            StreamTap(strip_usage=not parsed.include_usage, keep_chunk_usage=parsed.continuous_usage)
+            if parsed.stream
+            else None
+        )
         self.usage: dict[str, Any] | None = None
         self._done = False
 
@@ -87,9 +101,12 @@ class Exchange:
         self._done = True
         self.core.in_flight[self.model] -= 1
         self.usage = self.tap.usage if self.tap else (usage_of(body) if body and status == 200 else None)
-        tokens = int((self.usage or {}).get("total_tokens") or 0)
+        if self.usage is not None:
+            tokens = int(self.usage.get("total_tokens") or 0)
+        else:  # a client that left before any usage came: the engine may have run, bill the reservation
+            tokens = self.reserved if status == 499 else 0
         if self.tenant.tpm is not None:
-            self.core.quota.record(self.tenant.name, tokens)
+            self.core.quota.record(self.tenant.name, tokens, self.ticket)
         m = self.core.metrics
         if m is None:
             return
@@ -168,17 +185,24 @@ class GatewayCore:
         session_id: str | None = None,
     ) -> tuple[UpstreamResult, dict[str, str]]:
         """Admit (quota, shedding), forward with failover; returns the result and extra headers."""
+        if parsed.n > self.settings.max_n:
+            raise InvalidRequest(f"'n' must be at most {self.settings.max_n}, got {parsed.n}", param="n")
+        reserve = parsed.reserve_tokens(resolved.model.max_model_len) if tenant.tpm is not None else 0
         try:
-            limit_headers = await self.quota.admit(tenant.name, tenant.rpm, tenant.tpm)
+            limit_headers, ticket = await self.quota.admit(tenant.name, tenant.rpm, tenant.tpm, reserve)
         except Exception as exc:
             if self.metrics and getattr(exc, "status", 0) == 429:
                 self.metrics.rate_limited.inc(tags={"tenant": tenant.name, "limit": str(exc.code)})
             raise
         model = resolved.model.name
-        self._shed(model, tenant)
+        try:
+            self._shed(model, tenant)
+        except Unavailable:
+            self.quota.record(tenant.name, 0, ticket)
+            raise
         hint = self.hint_for(resolved, parsed, session_id)
         app, timeout, limit = resolved.version.app, resolved.model.cold_start_timeout_s, resolved.model.max_ongoing
-        exchange = Exchange(self, parsed, resolved, tenant)
+        exchange = Exchange(self, parsed, resolved, tenant, ticket, reserve)
         self.in_flight[model] += 1
 
         async def leaser() -> Lease:

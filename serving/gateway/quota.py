@@ -3,8 +3,13 @@
 Shared state lives in one small named Ray actor (``raystack-quota``, detached, zero CPU): it needs
 no extra service, every gateway replica on any node reaches it, and an admission check is one
 async actor call (about a millisecond). Counting is by fixed windows aligned to the clock, so
-``x-ratelimit-reset-*`` is simply the time left in the window. Tokens are the prompt plus
-completion tokens actually used, recorded when a response ends.
+``x-ratelimit-reset-*`` is simply the time left in the window.
+
+Tokens: admission reserves what a request may use at most (``n`` x ``max_tokens``) and admits it
+only while the window's used plus reserved tokens are below the tenant's TPM, so concurrent
+requests overshoot the limit by at most one reservation; when the request ends the reservation is
+settled: the prompt plus completion tokens actually used are counted and the rest is given back.
+A reservation that is never settled (its gateway died) lapses after ``hold_s``.
 """
 
 from __future__ import annotations
@@ -28,13 +33,18 @@ class Admission:
     limit_tokens: int | None
     remaining_tokens: int | None
     reset_s: float
+    ticket: int = 0  # the token reservation to settle when the request ends (0: none)
 
 
 class WindowCounter:
-    """Per-tenant request and token counts in the current fixed window. Pure, clock injected."""
+    """Per-tenant request and token counts in the current fixed window, and the token
+    reservations of requests in progress. Pure, clock injected."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_s: float = 3600.0) -> None:
+        self.hold_s = hold_s
         self._windows: dict[str, tuple[int, int, int]] = {}  # tenant -> (window id, requests, tokens)
+        self._tickets: dict[int, tuple[str, int, float]] = {}  # ticket -> (tenant, tokens, lapses at)
+        self._next = 1
 
     def _current(self, tenant: str, window_s: float, now: float) -> tuple[int, int, int]:
         wid = int(now // window_s)
@@ -44,28 +54,44 @@ class WindowCounter:
             self._windows[tenant] = w
         return w
 
-    def admit(self, tenant: str, rpm: int | None, tpm: int | None, window_s: float, now: float) -> Admission:
+    def reserved(self, tenant: str, now: float) -> int:
+        for t in [t for t, (_, _, until) in self._tickets.items() if until <= now]:
+            del self._tickets[t]
+        return sum(tokens for name, tokens, _ in self._tickets.values() if name == tenant)
+
+    def admit(
+        self, tenant: str, rpm: int | None, tpm: int | None, window_s: float, now: float, reserve: int = 0
+    ) -> Admission:
         wid, reqs, toks = self._current(tenant, window_s, now)
+        held = self.reserved(tenant, now) if tpm is not None else 0
         reset = (wid + 1) * window_s - now
         reason = ""
         if rpm is not None and reqs >= rpm:
             reason = "requests"
-        elif tpm is not None and toks >= tpm:
+        elif tpm is not None and toks + held >= tpm:
             reason = "tokens"
+        ticket = 0
         if not reason:
             reqs += 1
             self._windows[tenant] = (wid, reqs, toks)
+            if tpm is not None and reserve > 0:
+                ticket, self._next = self._next, self._next + 1
+                self._tickets[ticket] = (tenant, reserve, now + self.hold_s)
+                held += reserve
         return Admission(
             allowed=not reason,
             reason=reason,
             limit_requests=rpm,
             remaining_requests=None if rpm is None else max(0, rpm - reqs),
             limit_tokens=tpm,
-            remaining_tokens=None if tpm is None else max(0, tpm - toks),
+            remaining_tokens=None if tpm is None else max(0, tpm - toks - held),
             reset_s=reset,
+            ticket=ticket,
         )
 
-    def record(self, tenant: str, tokens: int, window_s: float, now: float) -> None:
+    def record(self, tenant: str, tokens: int, window_s: float, now: float, ticket: int = 0) -> None:
+        """Count ``tokens`` used in the current window and give ``ticket``'s reservation back."""
+        self._tickets.pop(ticket, None)
         wid, reqs, toks = self._current(tenant, window_s, now)
         self._windows[tenant] = (wid, reqs, toks + max(0, tokens))
 
@@ -94,11 +120,11 @@ class QuotaActor:
     def __init__(self) -> None:
         self.counter = WindowCounter()
 
-    def admit(self, tenant: str, rpm: int | None, tpm: int | None, window_s: float) -> Admission:
-        return self.counter.admit(tenant, rpm, tpm, window_s, time.time())
+    def admit(self, tenant: str, rpm: int | None, tpm: int | None, window_s: float, reserve: int = 0) -> Admission:
+        return self.counter.admit(tenant, rpm, tpm, window_s, time.time(), reserve)
 
-    def record(self, tenant: str, tokens: int, window_s: float) -> None:
-        self.counter.record(tenant, tokens, window_s, time.time())
+    def record(self, tenant: str, tokens: int, window_s: float, ticket: int = 0) -> None:
+        self.counter.record(tenant, tokens, window_s, time.time(), ticket)
 
 
 class QuotaClient:
@@ -128,10 +154,14 @@ class QuotaClient:
             )
         return self._actor
 
-    async def admit(self, tenant: str, rpm: int | None, tpm: int | None) -> dict[str, str]:
+    async def admit(
+        self, tenant: str, rpm: int | None, tpm: int | None, reserve: int = 0
+    ) -> tuple[dict[str, str], int]:
+        """Admit one request reserving ``reserve`` tokens; returns the rate-limit headers and the
+        reservation's ticket (for :meth:`record`)."""
         if rpm is None and tpm is None:
-            return {}
-        a: Admission = await self._handle().admit.remote(tenant, rpm, tpm, self.window_s)
+            return {}, 0
+        a: Admission = await self._handle().admit.remote(tenant, rpm, tpm, self.window_s, reserve)
         headers = rate_limit_headers(a)
         if not a.allowed:
             retry = str(max(1, math.ceil(a.reset_s)))
@@ -141,8 +171,9 @@ class QuotaClient:
                 code=f"rate_limit_{a.reason}",
                 headers={**headers, "retry-after": retry},
             )
-        return headers
+        return headers, a.ticket
 
-    def record(self, tenant: str, tokens: int) -> None:
-        if tokens > 0:
-            self._handle().record.remote(tenant, tokens, self.window_s)
+    def record(self, tenant: str, tokens: int, ticket: int = 0) -> None:
+        """Settle a request: count the tokens it used, give the rest of its reservation back."""
+        if tokens > 0 or ticket:
+            self._handle().record.remote(tenant, tokens, self.window_s, ticket)

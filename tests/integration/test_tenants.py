@@ -99,6 +99,48 @@ def test_streamed_usage_counts_towards_tpm_and_is_hidden_unless_asked(stack: Sta
     assert int(r2.headers["x-ratelimit-remaining-tokens"]) < 60
 
 
+def test_an_abandoned_stream_bills_the_tokens_it_used(stack: Stack) -> None:
+    _fresh_window()
+    body = {**ADD, "max_tokens": 40, "ignore_eos": True, "stream": True}
+    events = 0
+    with httpx.stream(
+        "POST", f"{stack.url}/v1/completions", json=body, headers=stack.headers("tokens"), timeout=60
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            events += line.startswith("data: {")
+            if events == 3:
+                break  # leave mid-stream: the engine learns it from the closed connection
+    time.sleep(1.5)  # the gateway settles the request as it ends
+    r2 = _post(stack, "tokens", {**ADD, "max_tokens": 1})
+    assert r2.status_code == 200, r2.text
+    remaining = int(r2.headers["x-ratelimit-remaining-tokens"])  # 60 - used - r2's reservation (1)
+    # the abandoned stream's prompt and at least its 3 completion tokens count; its unused
+    # reservation (up to 40) was given back
+    assert 0 < remaining <= 60 - 1 - 3 - 1, remaining
+
+
+def test_concurrent_requests_cannot_overshoot_tpm_by_more_than_one_reservation(stack: Stack) -> None:
+    _fresh_window()
+    body = {**ADD, "max_tokens": 20, "ignore_eos": True}
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120, headers=stack.headers("tokens")) as c:
+            return await asyncio.gather(*(c.post(f"{stack.url}/v1/completions", json=body) for _ in range(10)))
+
+    rs = asyncio.run(run())
+    assert {r.status_code for r in rs} <= {200, 429}
+    ok = [r for r in rs if r.status_code == 200]
+    completion = sum(r.json()["usage"]["completion_tokens"] for r in ok)
+    # each reserves n x max_tokens = 20 against the TPM of 60: 0, 20, 40 reserved -> 3 admitted
+    assert 1 <= len(ok) <= 3 and completion <= 60 + 20, (len(ok), completion)
+
+
+def test_n_is_bounded(stack: Stack) -> None:
+    r = _post(stack, "main", {**ADD, "n": 9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
 def test_session_affinity_pins_a_session_to_one_replica(stack: Stack) -> None:
     seen = {_post(stack, "main", ADD, **{"x-session-id": "session-42"}).headers["x-replica"] for _ in range(8)}
     assert len(seen) == 1

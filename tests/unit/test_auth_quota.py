@@ -54,3 +54,22 @@ def test_window_counter_requests_and_tokens() -> None:
     assert not b.allowed and b.reason == "tokens" and b.remaining_tokens == 0
     h = rate_limit_headers(b)
     assert h["x-ratelimit-limit-tokens"] == "60" and h["x-ratelimit-reset-tokens"] == "7s"
+
+
+def test_token_reservations_bound_concurrent_overshoot_and_are_settled() -> None:
+    c = WindowCounter()
+    # 10 concurrent requests of up to 20 tokens against a TPM of 60: admitted while used plus
+    # reserved is below the limit, so at most 3 (60 + one reservation at worst)
+    got = [c.admit("t", None, 60, 10, now=100.0, reserve=20) for _ in range(10)]
+    admitted = [a for a in got if a.allowed]
+    assert len(admitted) == 3 and all(a.ticket for a in admitted)
+    assert got[3].reason == "tokens" and got[3].remaining_tokens == 0
+    for a in admitted:  # each used 5 of its 20: the rest is given back
+        c.record("t", 5, 10, now=101.0, ticket=a.ticket)
+    a = c.admit("t", None, 60, 10, now=102.0, reserve=20)
+    assert a.allowed and a.remaining_tokens == 60 - 15 - 20
+    # a reservation never settled (its gateway died) lapses
+    short = WindowCounter(hold_s=5)
+    assert short.admit("u", None, 10, 1000, now=0.0, reserve=10).allowed
+    assert not short.admit("u", None, 10, 1000, now=1.0, reserve=10).allowed
+    assert short.admit("u", None, 10, 1000, now=6.0, reserve=10).allowed
