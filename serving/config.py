@@ -304,6 +304,12 @@ class AuthConfig(_Strict):
     mode: Literal["keys", "open"] = Field("keys", description="keys: API keys required; open: none (dev).")
     tenants: list[TenantConfig] = Field(default_factory=list, description="Client teams and their keys.")
     window_s: float = Field(60, gt=0, description="Rate-limit window (RPM/TPM are per window).")
+    quota_timeout_s: float = Field(2.0, gt=0, le=60, description="Longest wait for the quota actor's admission answer.")
+    quota_failure_mode: Literal["open", "closed"] = Field(
+        "open",
+        description="When the quota actor does not answer in time: open admits the request unchecked "
+        "(logged), closed refuses it with 503 and Retry-After.",
+    )
 
     @model_validator(mode="after")
     def _tenants(self) -> AuthConfig:

@@ -142,7 +142,12 @@ class GatewayCore:
         self.routes = RoutingTable.from_user_config(user_config)
         auth = user_config.get("auth", {"mode": "keys"})
         self.auth = Authenticator(auth)
-        self.quota = QuotaClient(float(auth.get("window_s", 60)), self.quota._actor)
+        self.quota = QuotaClient(
+            float(auth.get("window_s", 60)),
+            self.quota.actor,
+            timeout_s=float(auth.get("quota_timeout_s", 2.0)),
+            failure_mode=str(auth.get("quota_failure_mode", "open")),
+        )
         self.shed_limits = {m["name"]: int(m.get("shed_low_priority_at", 0)) for m in user_config["models"]}
         logger.info(
             "routing table: %s",

@@ -17,7 +17,7 @@ from tests.conftest import ROOT, Stack
 __all__ = ["ray_run"]
 
 
-def ray_run(stack: Stack, body: str, timeout_s: float = 120) -> Any:
+def ray_run(stack: Stack, body: str, timeout_s: float = 120, env: dict[str, str] | None = None) -> Any:
     """Run ``body`` after ``ray.init`` to the stack's head (namespace ``raystack``); it must print
     one JSON value on its last line, which is returned."""
     state = StackState.load(load_config(stack.config).name)
@@ -27,9 +27,9 @@ def ray_run(stack: Stack, body: str, timeout_s: float = 120) -> Any:
         f"ray.init(address='127.0.0.1:{state.gcs_port}', namespace='raystack', logging_level='ERROR',"
         " log_to_driver=False)\n"
     )
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(state.token_path)}
+    full = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(state.token_path)}
     out = subprocess.run(
-        [sys.executable, "-c", head + body], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, "-c", head + body], cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout_s
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.conftest import Stack
+from tests.integration.raytools import ray_run
 
 pytestmark = pytest.mark.integration
 
@@ -134,6 +135,53 @@ def test_concurrent_requests_cannot_overshoot_tpm_by_more_than_one_reservation(s
     completion = sum(r.json()["usage"]["completion_tokens"] for r in ok)
     # each reserves n x max_tokens = 20 against the TPM of 60: 0, 20, 40 reserved -> 3 admitted
     assert 1 <= len(ok) <= 3 and completion <= 60 + 20, (len(ok), completion)
+
+
+# Runs as a Ray driver (tests/integration/raytools.py): the window-sensitive part starts only once
+# connected, so the whole sequence falls in one 10 s window.
+RESTART = """
+import os, threading, time, httpx
+url, limited, tokens = os.environ["URL"], os.environ["KEY_LIMITED"], os.environ["KEY_TOKENS"]
+body = {"model": "adder", "prompt": "12+30=", "max_tokens": 3, "temperature": 0}
+
+def post(key):
+    r = httpx.post(url, json=body, headers={"authorization": "Bearer " + key}, timeout=60)
+    return r.status_code
+
+time.sleep(10 - time.time() % 10 + 0.05)  # the start of a window
+window = int(time.time() // 10)
+before = [post(limited) for _ in range(2)]
+time.sleep(1.2)  # the actor checkpoints every 0.5 s
+ray.kill(ray.get_actor("raystack-quota"), no_restart=False)
+during = []  # requests of a TPM-limited tenant while the actor restarts: answered, never 500
+threads = [threading.Thread(target=lambda: during.append(post(tokens))) for _ in range(3)]
+for t in threads:
+    t.start()
+deadline = time.time() + 30
+while time.time() < deadline:
+    try:
+        ray.get(ray.get_actor("raystack-quota").admit.remote("probe", None, None, 10.0), timeout=2)
+        break
+    except Exception:
+        time.sleep(0.1)
+after = [post(limited) for _ in range(4)]
+for t in threads:
+    t.join()
+print(json.dumps({"before": before, "during": during, "after": after, "one_window": int(time.time() // 10) == window}))
+"""
+
+
+def test_quota_counts_survive_an_actor_restart_and_no_request_fails(stack: Stack) -> None:
+    env = {
+        "URL": f"{stack.url}/v1/completions",
+        "KEY_LIMITED": stack.keys["limited"],
+        "KEY_TOKENS": stack.keys["tokens"],
+    }
+    out = ray_run(stack, RESTART, env=env)
+    assert out["one_window"], out
+    assert out["before"] == [200, 200] and sorted(out["during"]) == [200, 200, 200], out
+    # rpm 4: the 2 admitted before the restart still count after it
+    assert out["after"] == [200, 200, 429, 429], out
 
 
 def test_n_is_bounded(stack: Stack) -> None:
