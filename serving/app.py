@@ -155,7 +155,16 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
                 "replica_routing": g.replica_routing,
             },
             # ingress direct: every gateway replica serves the OpenAI API on host:port itself
-            "listen": {"host": g.host, "port": g.port} if g.ingress == "direct" else None,
+            "listen": {
+                "host": g.host,
+                "port": g.port,
+                "keep_alive_s": g.keep_alive_s,
+                "header_timeout_s": g.header_timeout_s,
+                "body_timeout_s": g.body_timeout_s,
+                "max_connections": g.max_client_connections,
+            }
+            if g.ingress == "direct"
+            else None,
         },
         "deployments": [
             {

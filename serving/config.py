@@ -240,6 +240,21 @@ class GatewayConfig(_Strict):
     upstream_pool_wait_s: float = Field(
         10, gt=0, description="Longest wait for a free upstream connection; then 503 (the replica is not blamed)."
     )
+    header_timeout_s: float = Field(
+        10,
+        gt=0,
+        description="(ingress direct) A client must send a request's headers within this from its first byte; "
+        "then 408.",
+    )
+    body_timeout_s: float = Field(
+        30, gt=0, description="(ingress direct) ...and its body within this after the headers; then 408."
+    )
+    keep_alive_s: int = Field(60, ge=1, description="(ingress direct) An idle client connection is closed after this.")
+    max_client_connections: int = Field(
+        4096,
+        ge=1,
+        description="(ingress direct) Open client connections per gateway replica; beyond them: 503 at once.",
+    )
     max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request); larger gets 400.")
     default_model: str | None = Field(None, description="Model used when a request names none.")
     expose_replica_header: bool = Field(
@@ -276,6 +291,9 @@ class TenantConfig(_Strict):
     rpm: int | None = Field(None, ge=1, description="Requests per window (None = unlimited).")
     tpm: int | None = Field(None, ge=1, description="Prompt + completion tokens per window.")
     priority: int = Field(5, ge=0, le=9, description="Below 5: shed first when a model is busy.")
+    max_streams: int | None = Field(
+        None, ge=1, description="Streams in progress at once, across gateway replicas; beyond: 429 (None = no cap)."
+    )
 
     @field_validator("name")
     @classmethod

@@ -29,6 +29,7 @@ class Tenant:
     rpm: int | None = None
     tpm: int | None = None
     priority: int = 5
+    max_streams: int | None = None  # concurrent streams, across gateway replicas
 
     def allows(self, model: str) -> bool:
         return "*" in self.models or model in self.models
@@ -59,7 +60,12 @@ class Authenticator:
         self._cache: dict[bytes, Tenant] = {}
         for t in auth.get("tenants", []):
             tenant = Tenant(
-                t["name"], frozenset(t.get("models", ["*"])), t.get("rpm"), t.get("tpm"), int(t.get("priority", 5))
+                t["name"],
+                frozenset(t.get("models", ["*"])),
+                t.get("rpm"),
+                t.get("tpm"),
+                int(t.get("priority", 5)),
+                t.get("max_streams"),
             )
             for h in t.get("key_hashes", []):
                 _, salt, hexd = h.split("$")

@@ -7,6 +7,7 @@ Route handlers stay thin: parse, authenticate, resolve, call :meth:`GatewayCore.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -105,8 +106,8 @@ class Exchange:
             tokens = int(self.usage.get("total_tokens") or 0)
         else:  # a client that left before any usage came: the engine may have run, bill the reservation
             tokens = self.reserved if status == 499 else 0
-        if self.tenant.tpm is not None:
-            self.core.quota.record(self.tenant.name, tokens, self.ticket)
+        if self.tenant.tpm is not None or self.ticket:
+            self.core.quota.record(self.tenant.name, tokens if self.tenant.tpm is not None else 0, self.ticket)
         m = self.core.metrics
         if m is None:
             return
@@ -194,7 +195,9 @@ class GatewayCore:
             raise InvalidRequest(f"'n' must be at most {self.settings.max_n}, got {parsed.n}", param="n")
         reserve = parsed.reserve_tokens(resolved.model.max_model_len) if tenant.tpm is not None else 0
         try:
-            limit_headers, ticket = await self.quota.admit(tenant.name, tenant.rpm, tenant.tpm, reserve)
+            limit_headers, ticket = await self.quota.admit(
+                tenant.name, tenant.rpm, tenant.tpm, reserve, parsed.stream, tenant.max_streams
+            )
         except Exception as exc:
             if self.metrics and getattr(exc, "status", 0) == 429:
                 self.metrics.rate_limited.inc(tags={"tenant": tenant.name, "limit": str(exc.code)})
@@ -226,14 +229,13 @@ class GatewayCore:
                 budget=self.retry_budget,
                 first_byte_s=self.settings.first_byte_timeout_s,
             )
-        except BaseException as exc:
-            exchange.finish(getattr(exc, "status", 500))
+        except BaseException as exc:  # a client that left cancels the request: 499
+            exchange.finish(499 if isinstance(exc, asyncio.CancelledError) else getattr(exc, "status", 500))
             raise
         return result, limit_headers
 
     async def ready(self) -> bool:
         """Every live version of every model with a running replica (cached for 2 s)."""
-        import asyncio
 
         at, ok = self._ready_cache
         if time.monotonic() - at < 2.0:

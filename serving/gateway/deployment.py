@@ -145,7 +145,14 @@ class Gateway:
 
             app = create_api(self.core, set_request_id_header=True)
             self._listener = DirectListener(
-                app, listen["host"], int(listen["port"]), drain_s=float(listen.get("drain_s", 30))
+                app,
+                listen["host"],
+                int(listen["port"]),
+                keep_alive_s=int(listen.get("keep_alive_s", 60)),
+                drain_s=float(listen.get("drain_s", 30)),
+                header_timeout_s=float(listen.get("header_timeout_s", 10)),
+                body_timeout_s=float(listen.get("body_timeout_s", 30)),
+                max_connections=int(listen.get("max_connections", 4096)),
             )
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:

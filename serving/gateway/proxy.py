@@ -210,6 +210,9 @@ async def _unless_dead(coro: Awaitable[T], lease: Lease, first_byte_s: float | N
     death = asyncio.ensure_future(lease.died.wait())
     try:
         done, _ = await asyncio.wait({work, death}, timeout=first_byte_s, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled (the client left): the upstream request goes too
+        work.cancel()
+        raise
     finally:
         death.cancel()
     if work in done:

@@ -11,6 +11,9 @@ requests overshoot the limit by at most one reservation; when the request ends t
 settled: the prompt plus completion tokens actually used are counted and the rest is given back.
 A reservation that is never settled (its gateway died) lapses after ``hold_s``.
 
+Streams: a tenant's ``max_streams`` caps its streams in progress across every gateway replica;
+each admitted stream holds a ticket until it ends (the same settle call; lapsing the same way).
+
 Failure: admission waits at most ``timeout_s`` for the actor; if it does not answer (dead,
 restarting, overloaded) the request is admitted unchecked (``failure_mode: open``) or refused with
 503 and ``Retry-After`` (``closed``), never a 500. The actor is restarted by Ray
@@ -48,7 +51,7 @@ class Admission:
     limit_tokens: int | None
     remaining_tokens: int | None
     reset_s: float
-    ticket: int = 0  # the token reservation to settle when the request ends (0: none)
+    ticket: int = 0  # the token reservation / stream slot to settle when the request ends (0: none)
 
 
 class WindowCounter:
@@ -58,7 +61,7 @@ class WindowCounter:
     def __init__(self, hold_s: float = 3600.0) -> None:
         self.hold_s = hold_s
         self._windows: dict[str, tuple[int, int, int]] = {}  # tenant -> (window id, requests, tokens)
-        self._tickets: dict[int, tuple[str, int, float]] = {}  # ticket -> (tenant, tokens, lapses at)
+        self._tickets: dict[int, tuple[str, int, float, bool]] = {}  # -> (tenant, tokens, lapses at, stream)
         self._next = 1
 
     def _current(self, tenant: str, window_s: float, now: float) -> tuple[int, int, int]:
@@ -70,18 +73,33 @@ class WindowCounter:
         return w
 
     def reserved(self, tenant: str, now: float) -> int:
-        for t in [t for t, (_, _, until) in self._tickets.items() if until <= now]:
+        for t in [t for t, v in self._tickets.items() if v[2] <= now]:
             del self._tickets[t]
-        return sum(tokens for name, tokens, _ in self._tickets.values() if name == tenant)
+        return sum(v[1] for v in self._tickets.values() if v[0] == tenant)
+
+    def streams(self, tenant: str) -> int:
+        return sum(1 for v in self._tickets.values() if v[0] == tenant and v[3])
 
     def admit(
-        self, tenant: str, rpm: int | None, tpm: int | None, window_s: float, now: float, reserve: int = 0
+        self,
+        tenant: str,
+        rpm: int | None,
+        tpm: int | None,
+        window_s: float,
+        now: float,
+        reserve: int = 0,
+        stream: bool = False,
+        max_streams: int | None = None,
     ) -> Admission:
         wid, reqs, toks = self._current(tenant, window_s, now)
-        held = self.reserved(tenant, now) if tpm is not None else 0
+        held = self.reserved(tenant, now)
+        reserve = reserve if tpm is not None else 0
+        slot = stream and max_streams is not None
         reset = (wid + 1) * window_s - now
         reason = ""
-        if rpm is not None and reqs >= rpm:
+        if slot and self.streams(tenant) >= max_streams:  # type: ignore[operator]
+            reason = "streams"
+        elif rpm is not None and reqs >= rpm:
             reason = "requests"
         elif tpm is not None and toks + held >= tpm:
             reason = "tokens"
@@ -89,9 +107,9 @@ class WindowCounter:
         if not reason:
             reqs += 1
             self._windows[tenant] = (wid, reqs, toks)
-            if tpm is not None and reserve > 0:
+            if reserve > 0 or slot:
                 ticket, self._next = self._next, self._next + 1
-                self._tickets[ticket] = (tenant, reserve, now + self.hold_s)
+                self._tickets[ticket] = (tenant, reserve, now + self.hold_s, slot)
                 held += reserve
         return Admission(
             allowed=not reason,
@@ -122,7 +140,10 @@ class WindowCounter:
     def from_state(cls, state: dict[str, Any], hold_s: float = 3600.0) -> WindowCounter:
         c = cls(hold_s)
         c._windows = {t: (int(w[0]), int(w[1]), int(w[2])) for t, w in state.get("windows", {}).items()}
-        c._tickets = {int(k): (str(v[0]), int(v[1]), float(v[2])) for k, v in state.get("tickets", {}).items()}
+        c._tickets = {
+            int(k): (str(v[0]), int(v[1]), float(v[2]), bool(v[3]) if len(v) > 3 else False)
+            for k, v in state.get("tickets", {}).items()
+        }
         c._next = int(state.get("next", 1))
         return c
 
@@ -167,10 +188,19 @@ class QuotaActor:
         if checkpoint_s > 0:
             threading.Thread(target=self._checkpoint_forever, args=(checkpoint_s,), daemon=True).start()
 
-    def admit(self, tenant: str, rpm: int | None, tpm: int | None, window_s: float, reserve: int = 0) -> Admission:
+    def admit(
+        self,
+        tenant: str,
+        rpm: int | None,
+        tpm: int | None,
+        window_s: float,
+        reserve: int = 0,
+        stream: bool = False,
+        max_streams: int | None = None,
+    ) -> Admission:
         with self._lock:
             self._dirty = True
-            return self.counter.admit(tenant, rpm, tpm, window_s, time.time(), reserve)
+            return self.counter.admit(tenant, rpm, tpm, window_s, time.time(), reserve, stream, max_streams)
 
     def record(self, tenant: str, tokens: int, window_s: float, ticket: int = 0) -> None:
         with self._lock:
@@ -231,17 +261,30 @@ class QuotaClient:
         return self._actor
 
     async def admit(
-        self, tenant: str, rpm: int | None, tpm: int | None, reserve: int = 0
+        self,
+        tenant: str,
+        rpm: int | None,
+        tpm: int | None,
+        reserve: int = 0,
+        stream: bool = False,
+        max_streams: int | None = None,
     ) -> tuple[dict[str, str], int]:
-        """Admit one request reserving ``reserve`` tokens; returns the rate-limit headers and the
-        reservation's ticket (for :meth:`record`)."""
-        if rpm is None and tpm is None:
+        """Admit one request reserving ``reserve`` tokens (and, for a stream under ``max_streams``,
+        a stream slot); returns the rate-limit headers and the ticket to settle (:meth:`record`)."""
+        if rpm is None and tpm is None and (max_streams is None or not stream):
             return {}, 0
+        call = self._admit(tenant, rpm, tpm, reserve, stream, max_streams)
         try:
-            a: Admission = await asyncio.wait_for(self._admit(tenant, rpm, tpm, reserve), self.timeout_s)
+            a: Admission = await asyncio.wait_for(call, self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - timeout, actor dead or restarting: the failure mode decides
             return self._failed(tenant, exc)
         headers = rate_limit_headers(a)
+        if a.reason == "streams":
+            raise RateLimited(
+                f"Too many concurrent streams for tenant '{tenant}' (limit {max_streams}). Retry shortly.",
+                code="rate_limit_streams",
+                headers={**headers, "retry-after": "1"},
+            )
         if not a.allowed:
             retry = str(max(1, math.ceil(a.reset_s)))
             raise RateLimited(
@@ -252,9 +295,12 @@ class QuotaClient:
             )
         return headers, a.ticket
 
-    async def _admit(self, tenant: str, rpm: int | None, tpm: int | None, reserve: int) -> Admission:
+    async def _admit(
+        self, tenant: str, rpm: int | None, tpm: int | None, reserve: int, stream: bool, max_streams: int | None
+    ) -> Admission:
         handle = self._actor if self._actor is not None else await asyncio.to_thread(self._handle)
-        return await handle.admit.remote(tenant, rpm, tpm, self.window_s, reserve)  # type: ignore[no-any-return]
+        a = await handle.admit.remote(tenant, rpm, tpm, self.window_s, reserve, stream, max_streams)
+        return a  # type: ignore[no-any-return]
 
     def _failed(self, tenant: str, exc: BaseException) -> tuple[dict[str, str], int]:
         self.failures += 1

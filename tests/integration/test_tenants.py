@@ -184,6 +184,42 @@ def test_quota_counts_survive_an_actor_restart_and_no_request_fails(stack: Stack
     assert out["after"] == [200, 200, 429, 429], out
 
 
+def test_a_tenants_concurrent_streams_are_capped(stack: Stack) -> None:
+    """Tenant 'hashed' has max_streams 2 (across both gateway replicas): a third stream while two
+    run is refused with 429, in OpenAI's shape; a plain request still passes."""
+    url = f"{stack.url}/v1/completions"
+    body = {"model": "subtractor", "prompt": "50-8=", "max_tokens": 50, "n": 4, "ignore_eos": True, "stream": True}
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=120, headers=stack.headers("hashed")) as c:
+            async with c.stream("POST", url, json=body) as a, c.stream("POST", url, json=body) as b:
+                assert a.status_code == b.status_code == 200
+                await a.aiter_raw().__anext__()
+                await b.aiter_raw().__anext__()  # both are streaming now
+                third = await c.post(url, json=body)
+                plain = await c.post(url, json={**body, "stream": False, "n": 1, "max_tokens": 2})
+            return third, plain
+
+    third, plain = asyncio.run(run())
+    assert third.status_code == 429, third.text
+    err = third.json()["error"]
+    assert err["code"] == "rate_limit_streams" and set(err) == {"message", "type", "param", "code"}
+    assert third.headers["retry-after"] == "1" and plain.status_code == 200
+
+
+def test_a_slowloris_client_is_cut_after_the_header_timeout(stack: Stack) -> None:
+    import socket
+
+    host, port = stack.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-ty")  # half the headers, then nothing
+        started = time.monotonic()
+        got = b""
+        while chunk := s.recv(4096):  # the stack's header_timeout_s is 3 s; without it, recv times out
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 30
+
+
 def test_n_is_bounded(stack: Stack) -> None:
     r = _post(stack, "main", {**ADD, "n": 9})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"

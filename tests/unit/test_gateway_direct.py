@@ -95,7 +95,14 @@ def test_autoscaling_key_exists_in_this_ray() -> None:
 
 def test_direct_ingress_is_the_default_and_moves_serves_proxy_aside() -> None:
     sc = build_serve_config(parse_config({"auth": {"mode": "open"}, "models": [MODEL], "gateway": {"port": 9100}}))
-    assert sc["applications"][0]["args"]["listen"] == {"host": "127.0.0.1", "port": 9100}
+    assert sc["applications"][0]["args"]["listen"] == {
+        "host": "127.0.0.1",
+        "port": 9100,
+        "keep_alive_s": 60,
+        "header_timeout_s": 10.0,
+        "body_timeout_s": 30.0,
+        "max_connections": 4096,
+    }
     assert sc["http_options"]["port"] == 9101
     sc = build_serve_config(
         parse_config({"auth": {"mode": "open"}, "models": [MODEL], "gateway": {"port": 9100, "proxy_port": 9200}})
