@@ -50,13 +50,13 @@ check: install
 
 # Unit first, then the integration stack, then the e2e stacks (one stack at a time on 2 cores).
 test: install tools check
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/unit tests/integration tests/e2e
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS) tests/unit tests/integration tests/e2e
 
 test-unit: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/unit
 
 test-integration: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/integration
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS) tests/integration
 
 test-e2e: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/e2e

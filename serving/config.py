@@ -228,7 +228,7 @@ class GatewayConfig(_Strict):
     )
     retry_budget_min: int = Field(10, ge=0, description="Retries per 10 s always allowed, whatever the traffic.")
     first_byte_timeout_s: float = Field(
-        120,
+        300,
         gt=0,
         description="Per try: longest wait for a replica's first byte (for a non-streamed request, the whole "
         "answer); then the try is abandoned and retried elsewhere.",

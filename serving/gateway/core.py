@@ -32,7 +32,7 @@ class GatewaySettings:
     max_body_bytes: int = 1_048_576
     retries: int = 2
     upstream_timeout_s: float = 600.0
-    first_byte_timeout_s: float = 120.0
+    first_byte_timeout_s: float = 300.0
     retry_budget_ratio: float = 0.2
     retry_budget_min: int = 10
     max_connections: int = 1024

@@ -185,26 +185,25 @@ def test_quota_counts_survive_an_actor_restart_and_no_request_fails(stack: Stack
 
 
 def test_a_tenants_concurrent_streams_are_capped(stack: Stack) -> None:
-    """Tenant 'hashed' has max_streams 2 (across both gateway replicas): a third stream while two
-    run is refused with 429, in OpenAI's shape; a plain request still passes."""
+    """Tenant 'hashed' has max_streams 2 (across both gateway replicas): of 6 streams sent at once,
+    the ones admitted while two run are refused with 429, in OpenAI's shape (an admission takes a
+    millisecond or two, a stream of 4 x 50 tokens much longer); a plain request still passes."""
     url = f"{stack.url}/v1/completions"
     body = {"model": "subtractor", "prompt": "50-8=", "max_tokens": 50, "n": 4, "ignore_eos": True, "stream": True}
 
-    async def run() -> tuple[httpx.Response, httpx.Response]:
+    async def run() -> tuple[list[httpx.Response], httpx.Response]:
         async with httpx.AsyncClient(timeout=120, headers=stack.headers("hashed")) as c:
-            async with c.stream("POST", url, json=body) as a, c.stream("POST", url, json=body) as b:
-                assert a.status_code == b.status_code == 200
-                await a.aiter_raw().__anext__()
-                await b.aiter_raw().__anext__()  # both are streaming now
-                third = await c.post(url, json=body)
-                plain = await c.post(url, json={**body, "stream": False, "n": 1, "max_tokens": 2})
-            return third, plain
+            streams = await asyncio.gather(*(c.post(url, json=body) for _ in range(6)))
+            plain = await c.post(url, json={**body, "stream": False, "n": 1, "max_tokens": 2})
+        return list(streams), plain
 
-    third, plain = asyncio.run(run())
-    assert third.status_code == 429, third.text
-    err = third.json()["error"]
+    streams, plain = asyncio.run(run())
+    codes = sorted(r.status_code for r in streams)
+    assert set(codes) == {200, 429} and codes.count(200) >= 2, codes
+    refused = next(r for r in streams if r.status_code == 429)
+    err = refused.json()["error"]
     assert err["code"] == "rate_limit_streams" and set(err) == {"message", "type", "param", "code"}
-    assert third.headers["retry-after"] == "1" and plain.status_code == 200
+    assert refused.headers["retry-after"] == "1" and plain.status_code == 200
 
 
 def test_a_slowloris_client_is_cut_after_the_header_timeout(stack: Stack) -> None:
