@@ -208,10 +208,14 @@ class Server:
             extra = {**spec.engine.extra_args, "distributed-executor-backend": "mp"}
             spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"extra_args": extra})})
         self.api_key = secrets.token_urlsafe(16)
-        cmd = [sys.executable, *vllm_command(spec, "127.0.0.1", self.port, self.api_key)]
+        cmd = [sys.executable, *vllm_command(spec, "127.0.0.1", self.port)]
         with self._log() as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
-                cmd, env={**_base_env(False), **vllm_env(spec)}, stdout=log, stderr=log, start_new_session=True
+                cmd,
+                env={**_base_env(False), **vllm_env(spec, token=self.api_key)},
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
             )
         self.base_url = f"http://127.0.0.1:{self.port}"
 

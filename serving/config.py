@@ -216,15 +216,52 @@ class GatewayConfig(_Strict):
     )
     num_cpus: float = Field(0.5, gt=0, description="Logical CPUs reserved per gateway replica.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
-    retries: int = Field(2, ge=0, le=10, description="Retries on another replica before first byte.")
-    upstream_timeout_s: float = Field(600, gt=0, description="Longest wait for a replica's bytes.")
-    max_upstream_connections: int = Field(
-        1024, ge=1, description="Pooled HTTP connections from one gateway replica to the model replicas."
+    retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="Retries on another replica, only of failures safe to resend: connection refused or "
+        "reset before any response byte, replica dead (lease died, vLLM 503), first_byte_timeout_s passed.",
     )
+    retry_budget_ratio: float = Field(
+        0.2, ge=0, le=10, description="Retries allowed per request over the last 10 s (plus retry_budget_min)."
+    )
+    retry_budget_min: int = Field(10, ge=0, description="Retries per 10 s always allowed, whatever the traffic.")
+    first_byte_timeout_s: float = Field(
+        300,
+        gt=0,
+        description="Per try: longest wait for a replica's first byte (for a non-streamed request, the whole "
+        "answer); then the try is abandoned and retried elsewhere.",
+    )
+    upstream_timeout_s: float = Field(600, gt=0, description="Longest wait between two bytes of a replica's answer.")
+    max_upstream_connections: int = Field(
+        1024, ge=1, description="Requests one gateway replica has open to model replicas at once."
+    )
+    upstream_pool_wait_s: float = Field(
+        10, gt=0, description="Longest wait for a free upstream connection; then 503 (the replica is not blamed)."
+    )
+    header_timeout_s: float = Field(
+        10,
+        gt=0,
+        description="(ingress listener) A client must send a request's headers within this from its first byte; "
+        "then 408.",
+    )
+    body_timeout_s: float = Field(
+        30, gt=0, description="(ingress listener) ...and its body within this after the headers; then 408."
+    )
+    keep_alive_s: int = Field(
+        60, ge=1, description="(ingress listener) An idle client connection is closed after this."
+    )
+    max_client_connections: int = Field(
+        4096,
+        ge=1,
+        description="(ingress listener) Open client connections per gateway replica; beyond them: 503 at once.",
+    )
+    max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request); larger gets 400.")
     default_model: str | None = Field(None, description="Model used when a request names none.")
     expose_replica_header: bool = Field(
         False,
-        description="Add x-replica (the serving replica), x-replica-route (direct | serve) and "
+        description="Add x-replica (the serving replica), x-replica-route (direct | serve), x-upstream-attempts and "
         "x-gateway-replica to responses; for debugging.",
     )
 
@@ -256,6 +293,9 @@ class TenantConfig(_Strict):
     rpm: int | None = Field(None, ge=1, description="Requests per window (None = unlimited).")
     tpm: int | None = Field(None, ge=1, description="Prompt + completion tokens per window.")
     priority: int = Field(5, ge=0, le=9, description="Below 5: shed first when a model is busy.")
+    max_streams: int | None = Field(
+        None, ge=1, description="Streams in progress at once, across gateway replicas; beyond: 429 (None = no cap)."
+    )
 
     @field_validator("name")
     @classmethod
@@ -284,6 +324,12 @@ class AuthConfig(_Strict):
     mode: Literal["keys", "open"] = Field("keys", description="keys: API keys required; open: none (dev).")
     tenants: list[TenantConfig] = Field(default_factory=list, description="Client teams and their keys.")
     window_s: float = Field(60, gt=0, description="Rate-limit window (RPM/TPM are per window).")
+    quota_timeout_s: float = Field(2.0, gt=0, le=60, description="Longest wait for the quota actor's admission answer.")
+    quota_failure_mode: Literal["open", "closed"] = Field(
+        "open",
+        description="When the quota actor does not answer in time: open admits the request unchecked "
+        "(logged), closed refuses it with 503 and Retry-After.",
+    )
 
     @model_validator(mode="after")
     def _tenants(self) -> AuthConfig:

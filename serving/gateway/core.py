@@ -7,6 +7,7 @@ Route handlers stay thin: parse, authenticate, resolve, call :meth:`GatewayCore.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -14,11 +15,11 @@ from typing import Any
 
 from serving.config import AuthConfig, GatewayConfig
 from serving.contract import LeaseHint
-from serving.errors import NotFound, RateLimited, unavailable
+from serving.errors import InvalidRequest, NotFound, RateLimited, Unavailable, unavailable
 from serving.gateway.admission.auth import Authenticator, Tenant
 from serving.gateway.admission.quota import QuotaClient
 from serving.gateway.protocol import ParsedRequest, StreamTap, usage_of
-from serving.gateway.relay import Upstream, UpstreamResult, forward
+from serving.gateway.relay import RetryBudget, Upstream, UpstreamResult, forward
 from serving.gateway.replicas import Lease, LeaseProvider
 from serving.gateway.routing import GatewayRoutes, Resolved, RoutingTable
 
@@ -30,13 +31,26 @@ __all__ = ["Exchange", "GatewayCore"]
 class Exchange:
     """One request's bookkeeping: usage, timings, quota use and metrics, finished exactly once."""
 
-    def __init__(self, core: GatewayCore, parsed: ParsedRequest, resolved: Resolved, tenant: Tenant) -> None:
+    def __init__(
+        self,
+        core: GatewayCore,
+        parsed: ParsedRequest,
+        resolved: Resolved,
+        tenant: Tenant,
+        ticket: int = 0,
+        reserved: int = 0,
+    ) -> None:
         self.core, self.parsed, self.tenant = core, parsed, tenant
+        self.ticket, self.reserved = ticket, reserved  # the TPM reservation, settled in finish
         self.model, self.version = resolved.model.name, resolved.version.version
         self.started = time.monotonic()
         self.first_at: float | None = None
         self.last_at = self.started
-        self.tap = StreamTap(strip_usage=not parsed.include_usage) if parsed.stream else None
+        self.tap = (
+            StreamTap(strip_usage=not parsed.include_usage, keep_chunk_usage=parsed.continuous_usage)
+            if parsed.stream
+            else None
+        )
         self.usage: dict[str, Any] | None = None
         self._done = False
 
@@ -61,9 +75,12 @@ class Exchange:
         self._done = True
         self.core.in_flight[self.model] -= 1
         self.usage = self.tap.usage if self.tap else (usage_of(body) if body and status == 200 else None)
-        tokens = int((self.usage or {}).get("total_tokens") or 0)
-        if self.tenant.tpm is not None:
-            self.core.quota.record(self.tenant.name, tokens)
+        if self.usage is not None:
+            tokens = int(self.usage.get("total_tokens") or 0)
+        else:  # a client that left before any usage came: the engine may have run, bill the reservation
+            tokens = self.reserved if status == 499 else 0
+        if self.tenant.tpm is not None or self.ticket:
+            self.core.quota.record(self.tenant.name, tokens if self.tenant.tpm is not None else 0, self.ticket)
         m = self.core.metrics
         if m is None:
             return
@@ -100,7 +117,10 @@ class GatewayCore:
         self.auth = Authenticator(AuthConfig(mode="open"))  # replaced by the first reconfigure
         self.quota = QuotaClient(60.0)
         self.in_flight: Counter[str] = Counter()
-        self.client = Upstream(settings.max_upstream_connections, settings.upstream_timeout_s)
+        self.client = Upstream(
+            settings.max_upstream_connections, settings.upstream_timeout_s, pool_wait_s=settings.upstream_pool_wait_s
+        )
+        self.retry_budget = RetryBudget(settings.retry_budget_ratio, settings.retry_budget_min)
         self._ready_cache: tuple[float, bool] = (0.0, False)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -108,7 +128,12 @@ class GatewayCore:
         routes = GatewayRoutes.model_validate(user_config)
         self.routes = RoutingTable.from_routes(routes)
         self.auth = Authenticator(routes.auth)
-        self.quota = QuotaClient(routes.auth.window_s, self.quota._actor)
+        self.quota = QuotaClient(
+            routes.auth.window_s,
+            self.quota.actor,
+            timeout_s=routes.auth.quota_timeout_s,
+            failure_mode=routes.auth.quota_failure_mode,
+        )
         logger.info(
             "routing table: %s",
             {m.name: [(v.version, v.weight) for v in m.versions] for m in self.routes.models.values()},
@@ -150,18 +175,27 @@ class GatewayCore:
         session_id: str | None = None,
     ) -> tuple[UpstreamResult, dict[str, str]]:
         """Admit (quota, shedding), forward with failover; returns the result and extra headers."""
+        if parsed.n > self.settings.max_n:
+            raise InvalidRequest(f"'n' must be at most {self.settings.max_n}, got {parsed.n}", param="n")
+        reserve = parsed.reserve_tokens(resolved.model.max_model_len) if tenant.tpm is not None else 0
         try:
-            limit_headers = await self.quota.admit(tenant.name, tenant.rpm, tenant.tpm)
+            limit_headers, ticket = await self.quota.admit(
+                tenant.name, tenant.rpm, tenant.tpm, reserve, parsed.stream, tenant.max_streams
+            )
         except RateLimited as exc:
             if self.metrics:
                 self.metrics.rate_limited.inc(tags={"tenant": tenant.name, "limit": str(exc.code)})
             raise
         model = resolved.model.name
-        self._shed(model, tenant)
+        try:
+            self._shed(model, tenant)
+        except Unavailable:
+            self.quota.record(tenant.name, 0, ticket)
+            raise
         hint = self.hint_for(resolved, parsed, session_id)
         app, timeout = resolved.version.app, resolved.model.cold_start_timeout_s
         limit = resolved.model.max_ongoing_requests
-        exchange = Exchange(self, parsed, resolved, tenant)
+        exchange = Exchange(self, parsed, resolved, tenant, ticket, reserve)
         self.in_flight[model] += 1
 
         async def leaser() -> Lease:
@@ -177,15 +211,16 @@ class GatewayCore:
                 request_id=request_id,
                 retries=self.settings.retries,
                 obs=exchange,
+                budget=self.retry_budget,
+                first_byte_s=self.settings.first_byte_timeout_s,
             )
-        except BaseException as exc:
-            exchange.finish(getattr(exc, "status", 500))
+        except BaseException as exc:  # a client that left cancels the request: 499
+            exchange.finish(499 if isinstance(exc, asyncio.CancelledError) else getattr(exc, "status", 500))
             raise
         return result, limit_headers
 
     async def ready(self) -> bool:
         """Every live version of every model with a running replica (cached for 2 s)."""
-        import asyncio
 
         at, ok = self._ready_cache
         if time.monotonic() - at < 2.0:

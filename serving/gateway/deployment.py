@@ -42,7 +42,15 @@ class Gateway:
             from serving.gateway.listener import Listener
 
             app = create_api(self.core, set_request_id_header=True)
-            self._listener = Listener(app, cfg.host, cfg.port)
+            self._listener = Listener(
+                app,
+                cfg.host,
+                cfg.port,
+                keep_alive_s=cfg.keep_alive_s,
+                header_timeout_s=cfg.header_timeout_s,
+                body_timeout_s=cfg.body_timeout_s,
+                max_connections=cfg.max_client_connections,
+            )
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         self.core.reconfigure(user_config)

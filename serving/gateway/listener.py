@@ -11,6 +11,12 @@ internal port for its own health checks.
 A request the listener serves is invisible to Serve's request counting, so the replica reports its
 in-flight count to the autoscaler itself (:meth:`Listener.in_flight`, see
 ``Gateway.record_autoscaling_stats``).
+
+Slow and idle clients: uvicorn bounds only the idle time between requests (``keep_alive_s``);
+:class:`GuardedHttpTools` (uvicorn's httptools protocol plus deadlines) also gives a request
+``header_timeout_s`` to send its headers, counted from its first byte (from the connection's start
+for the first request), and ``body_timeout_s`` more for its body, then answers 408 and closes; and
+it refuses connections beyond ``max_connections`` with a 503 at once.
 """
 
 from __future__ import annotations
@@ -21,10 +27,80 @@ import socket
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["Listener", "bind_shared"]
+__all__ = ["GuardedHttpTools", "Listener", "bind_shared"]
+
+
+def _raw_error(status: str, message: str, type_: str) -> bytes:
+    body = (
+        b'{"error":{"message":"' + message.encode() + b'","type":"' + type_.encode() + b'","param":null,"code":null}}'
+    )
+    head = f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+    return head.encode() + b"connection: close\r\nretry-after: 1\r\n\r\n" + body
+
+
+_TOO_SLOW = _raw_error("408 Request Timeout", "The request was not received in time.", "invalid_request_error")
+_BUSY = _raw_error("503 Service Unavailable", "Too many connections; retry shortly.", "service_unavailable")
+
+
+class GuardedHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol with header and body read deadlines and a connection limit
+    (module docstring). :meth:`configured` makes a subclass with the limits set."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 0  # 0: no limit
+
+    @classmethod
+    def configured(cls, header_timeout_s: float, body_timeout_s: float, max_connections: int) -> type[GuardedHttpTools]:
+        attrs = {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s}
+        return type("GuardedHttpTools", (cls,), {**attrs, "max_connections": max_connections})
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._deadline: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        if self.max_connections and len(self.connections) > self.max_connections:
+            transport.write(_BUSY)
+            transport.close()
+            return
+        self._arm(self.header_timeout_s)
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
+            self.transport.write(_TOO_SLOW)
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._deadline is None and (self.cycle is None or self.cycle.response_complete):
+            self._arm(self.header_timeout_s)  # the first bytes of another request on this connection
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._arm(self.body_timeout_s)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
 
 
 def bind_shared(host: str, port: int) -> socket.socket:
@@ -64,14 +140,24 @@ class _Counted:
 class Listener:
     """uvicorn serving ``app`` on ``host:port`` inside the current event loop."""
 
-    def __init__(self, app: Any, host: str, port: int, keep_alive_s: int = 60, drain_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        app: Any,
+        host: str,
+        port: int,
+        keep_alive_s: int = 60,
+        drain_s: float = 30.0,
+        header_timeout_s: float = 10.0,
+        body_timeout_s: float = 30.0,
+        max_connections: int = 4096,
+    ) -> None:
         self.host, self.port = host, port
         self._app = _Counted(app)
         config = uvicorn.Config(
             self._app,
             host=host,
             port=port,
-            http="httptools",
+            http=GuardedHttpTools.configured(header_timeout_s, body_timeout_s, max_connections),
             loop="none",
             lifespan="off",
             access_log=False,

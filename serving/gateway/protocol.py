@@ -31,6 +31,7 @@ class ParsedRequest:
     model: str | None
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
 
     def prompt_text(self, limit: int = 4096) -> str:
         """Leading prompt text, only for prefix-affinity routing (never logged)."""
@@ -45,32 +46,74 @@ class ParsedRequest:
                 break
         return "".join(parts)[:limit]
 
+    @property
+    def n(self) -> int:
+        return int(self.body.get("n") or 1)
+
+    def reserve_tokens(self, max_model_len: int) -> int:
+        """Completion tokens this request may use at most: ``n`` x its token limit (the context
+        length when it sets none); what admission reserves against a tenant's TPM."""
+        limit = self.body.get("max_completion_tokens") or self.body.get("max_tokens") or max_model_len
+        return self.n * int(limit)
+
     def upstream_body(self, name: str) -> bytes:
         """The body to forward: ``model`` set to the engine's served name and, for streams, usage
-        always requested (the gateway needs it for quotas and metrics; :class:`StreamTap` strips
-        it again if the client did not ask). Unchanged bodies are forwarded as the same bytes."""
-        force_usage = self.stream and not self.include_usage
+        on every chunk always requested (``continuous_usage_stats``: the gateway bills what a stream
+        used even when it is abandoned or cut; :class:`StreamTap` strips what the client did not
+        ask for). Unchanged bodies are forwarded as the same bytes."""
+        force_usage = self.stream and not self.continuous_usage
         if self.body.get("model") == name and not force_usage:
             return self.raw
         body = {**self.body, "model": name}
         if force_usage:
-            body["stream_options"] = {**(self.body.get("stream_options") or {}), "include_usage": True}
+            body["stream_options"] = {
+                **(self.body.get("stream_options") or {}),
+                "include_usage": True,
+                "continuous_usage_stats": True,
+            }
         return msgspec.json.encode(body)
 
 
-class StreamTap:
-    """Event-aligned pass-through of an SSE byte stream that picks out the usage event.
+_USAGE = b'"usage":{'
+_INDEX = b'"index":'
 
-    Bytes are released at event boundaries (``\n\n``) only; events are parsed only when they
-    carry ``"usage":{`` (the final usage chunk), so per-token cost is a couple of byte searches.
+
+def _object_end(ev: bytes, start: int) -> int:
+    """Index after the JSON object that opens at ``ev[start]`` (usage objects hold no strings)."""
+    end = ev.find(b"}", start)
+    while end >= 0 and ev.count(b"{", start, end) > ev.count(b"}", start, end) + 1:
+        end = ev.find(b"}", end + 1)
+    return end + 1 if end >= 0 else -1
+
+
+class StreamTap:
+    """Event-aligned pass-through of an SSE byte stream that reads the usage it carries.
+
+    The engine is asked for usage on every chunk (per choice, cumulative) and in a final
+    usage-only event; the tap keeps the latest per choice, so :attr:`usage` is what the stream
+    used so far even if it never reaches its end. What the client did not ask for is cut out at
+    the byte level: ``strip_usage`` (no ``include_usage``) removes the chunks' usage and the final
+    usage event; otherwise, without ``keep_chunk_usage`` (no ``continuous_usage_stats``), only
+    the chunks' usage. Bytes are released at event boundaries (``\n\n``) only.
     """
 
-    __slots__ = ("_buf", "strip_usage", "usage")
+    __slots__ = ("_buf", "_choices", "final", "keep_chunk_usage", "strip_usage")
 
-    def __init__(self, strip_usage: bool) -> None:
+    def __init__(self, strip_usage: bool, keep_chunk_usage: bool = False) -> None:
         self._buf = b""
         self.strip_usage = strip_usage
-        self.usage: dict[str, Any] | None = None
+        self.keep_chunk_usage = keep_chunk_usage and not strip_usage
+        self.final: dict[str, Any] | None = None
+        self._choices: dict[int, tuple[int, int]] = {}  # choice index -> (prompt, completion) tokens
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The final usage event's, else the sum of the chunks' latest per choice."""
+        if self.final is not None or not self._choices:
+            return self.final
+        prompt = max(p for p, _ in self._choices.values())
+        completion = sum(c for _, c in self._choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._buf + chunk if self._buf else chunk
@@ -79,7 +122,7 @@ class StreamTap:
             self._buf = data
             return b""
         out, self._buf = data[: cut + 2], data[cut + 2 :]
-        return self._take_usage(out) if b'"usage":{' in out else out
+        return self._take_usage(out) if _USAGE in out else out
 
     def flush(self) -> bytes:
         out, self._buf = self._buf, b""
@@ -88,18 +131,35 @@ class StreamTap:
     def _take_usage(self, out: bytes) -> bytes:
         kept: list[bytes] = []
         for ev in out.split(b"\n\n"):
-            if ev.startswith(b"data: {") and b'"usage":{' in ev:
-                try:
-                    obj = msgspec.json.decode(ev[6:])
-                except msgspec.DecodeError:
+            at = ev.find(_USAGE)
+            end = _object_end(ev, at + 8) if at >= 0 and ev.startswith(b"data: {") else -1
+            if end < 0:
+                kept.append(ev)
+                continue
+            try:
+                usage = msgspec.json.decode(ev[at + 8 : end])
+            except msgspec.DecodeError:
+                kept.append(ev)
+                continue
+            if b'"choices":[]' in ev:  # the final usage-only event
+                self.final = usage
+                if not self.strip_usage:
                     kept.append(ev)
-                    continue
-                if isinstance(obj.get("usage"), dict):
-                    self.usage = obj["usage"]
-                if self.strip_usage and not obj.get("choices"):
-                    continue
-            kept.append(ev)
+                continue
+            self._note(ev, usage)
+            if self.keep_chunk_usage:
+                kept.append(ev)
+            elif ev[at - 1 : at] == b",":
+                kept.append(ev[: at - 1] + ev[end:])
+            else:
+                kept.append(ev[:at] + ev[end:].removeprefix(b","))
         return b"\n\n".join(kept)
+
+    def _note(self, ev: bytes, usage: dict[str, Any]) -> None:
+        i = ev.find(_INDEX)  # the first "index" of a chunk is its choice's
+        digits = ev[i + 8 : i + 14].split(b",")[0].split(b"}")[0].strip() if i >= 0 else b"0"
+        idx = int(digits) if digits.isdigit() else 0
+        self._choices[idx] = (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
 
 
 def usage_of(body: bytes) -> dict[str, Any] | None:
@@ -195,19 +255,22 @@ def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
     else:
         _check_prompt(body.get("prompt"))
     so = body.get("stream_options") or {}
+    include_usage = bool(so.get("include_usage", False))
     return ParsedRequest(
         kind=kind,
         body=body,
         raw=raw,
         model=model,
         stream=bool(body.get("stream", False)),
-        include_usage=bool(so.get("include_usage", False)),
+        include_usage=include_usage,
+        continuous_usage=include_usage and bool(so.get("continuous_usage_stats", False)),
     )
 
 
-def normalize_upstream_error(status: int, raw: bytes) -> bytes:
-    """vLLM's 4xx bodies use ``type: BadRequestError`` and numeric codes; rewrite them to
-    OpenAI's shape (``invalid_request_error``) keeping vLLM's message and param."""
+def normalize_upstream_error(status: int, raw: bytes, request_id: str = "") -> bytes:
+    """vLLM's error bodies use ``type: BadRequestError`` and numeric codes; rewrite them to
+    OpenAI's shape (``invalid_request_error`` for 4xx, ``server_error`` for 5xx) keeping vLLM's
+    message and param; a 5xx message carries the request id, as the gateway's own 5xx do."""
     try:
         err = msgspec.json.decode(raw).get("error", {})
         message = str(err.get("message") or "invalid request")
@@ -215,6 +278,8 @@ def normalize_upstream_error(status: int, raw: bytes) -> bytes:
     except (msgspec.DecodeError, AttributeError):
         message, param = raw.decode("utf-8", "replace")[:500] or "invalid request", None
     type_ = "invalid_request_error" if status < 500 else "server_error"
+    if status >= 500 and request_id:
+        message = f"{message} (request id {request_id})"
     if isinstance(param, str) and param.startswith("body."):
         param = param[5:]
     return error_body(message, type_, param if isinstance(param, str) else None, None)

@@ -2,9 +2,19 @@
 bytes back, fail over.
 
 Per request there is one HTTP exchange with the replica's vLLM server (and, for leases, one Ray
-call); tokens never travel through Ray. A failure before the first byte reaches the client
-(connection refused, engine dead, replica gone) releases the lease and retries on another replica;
-after the first byte, the stream ends with an SSE error event, never a silent cut.
+call); tokens never travel through Ray. Only what is safe to send again is retried on another
+replica, and only while the retry budget (:class:`RetryBudget`) allows:
+
+- the connection failed before any response byte (refused, reset, closed by the server);
+- the replica is known dead (its lease died, or vLLM answered 503, which it does when its engine
+  is dead, not when it is busy);
+- no byte came within ``first_byte_s`` (the connection is closed, so the engine drops the request).
+
+Those mark the replica failed (skipped for a few seconds). Any other answer of the engine, an
+error included (e.g. its 500 for a grammar it cannot satisfy), reaches the client once, in
+OpenAI's shape with the request id, and the replica stays in rotation. Waiting for a free pooled
+connection (``Upstream.max_connections``) is the gateway's own limit: a 503, never a replica
+failure. After the first byte, the stream ends with an SSE error event, never a silent cut.
 
 The client is aiohttp, not httpx: httpcore parses each chunk with h11 and wraps each read in an
 anyio timeout, while aiohttp's C parser feeds a plain buffer, which more than halved the gateway's
@@ -17,22 +27,60 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import aiohttp
 
-from serving.errors import UpstreamError, sse_error_event
+from serving.errors import Unavailable, UpstreamError, sse_error_event
 from serving.gateway.protocol import normalize_upstream_error
 from serving.gateway.replicas import Lease, ReplicaGone
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["Leaser", "Observer", "Upstream", "UpstreamResult", "forward"]
+__all__ = ["Leaser", "Observer", "RetryBudget", "Upstream", "UpstreamResult", "forward"]
 
-RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+# Read errors of a response under way (a stream cut, a read timeout): never retried.
+BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 T = TypeVar("T")
+
+
+class RetryBudget:
+    """At most ``ratio`` retries per request over the last ``window_s`` seconds, plus
+    ``min_retries`` per window that are always allowed (so a quiet gateway can still fail over).
+    A storm of failures then adds at most ``ratio`` load instead of ``retries`` times it.
+    Pure; the clock is injected for tests."""
+
+    def __init__(self, ratio: float, min_retries: int, window_s: float = 10.0, buckets: int = 10) -> None:
+        self.ratio, self.min_retries = ratio, min_retries
+        self._width = window_s / buckets
+        self._n = buckets
+        self._requests: dict[int, int] = {}
+        self._retries: dict[int, int] = {}
+
+    def _totals(self, now: float) -> tuple[int, int]:
+        cur = int(now // self._width)
+        for d in (self._requests, self._retries):
+            for b in [b for b in d if b <= cur - self._n]:
+                del d[b]
+        return sum(self._requests.values()), sum(self._retries.values())
+
+    def request(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        b = int(now // self._width)
+        self._requests[b] = self._requests.get(b, 0) + 1
+
+    def try_retry(self, now: float | None = None) -> bool:
+        """Spend one retry if the budget has one."""
+        now = time.monotonic() if now is None else now
+        requests, retries = self._totals(now)
+        if retries >= self.min_retries + self.ratio * requests:
+            return False
+        b = int(now // self._width)
+        self._retries[b] = self._retries.get(b, 0) + 1
+        return True
 
 
 class Upstream:
@@ -40,23 +88,54 @@ class Upstream:
     the event loop that serves requests).
 
     Idle connections are dropped after ``keepalive_s``, below the 5 s after which vLLM's server
-    closes them, so a request is never sent on a connection the server is closing."""
+    closes them, so a request is never sent on a connection the server is closing.
+
+    At most ``max_connections`` requests are open upstream at once (:meth:`slot`); a request waits
+    up to ``pool_wait_s`` for one, then gets a 503. That wait is kept apart from connecting
+    (``connect_s``, a replica fault) so a busy gateway never blames a replica for it."""
 
     def __init__(
-        self, max_connections: int, timeout_s: float, connect_s: float = 5.0, keepalive_s: float = 4.0
+        self,
+        max_connections: int,
+        timeout_s: float,
+        connect_s: float = 5.0,
+        keepalive_s: float = 4.0,
+        pool_wait_s: float = 10.0,
     ) -> None:
         self.max_connections, self.timeout_s, self.connect_s = max_connections, timeout_s, connect_s
-        self.keepalive_s = keepalive_s
+        self.keepalive_s, self.pool_wait_s = keepalive_s, pool_wait_s
+        self._slots = asyncio.Semaphore(max_connections)
         self._session: aiohttp.ClientSession | None = None
+
+    async def slot(self) -> Callable[[], None]:
+        """Wait for a free upstream connection slot; returns its (idempotent) release."""
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.pool_wait_s)
+        except TimeoutError:
+            raise Unavailable(
+                "The gateway is at its limit of open model connections; retry shortly.",
+                headers={"retry-after": "1"},
+            ) from None
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self._slots.release()
+
+        return release
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(
-                    limit=self.max_connections, limit_per_host=0, keepalive_timeout=self.keepalive_s
+                # no pool limit here: ``slot`` bounds the requests (aiohttp's pool wait would count
+                # as a connect timeout, i.e. as a replica fault)
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=self.keepalive_s),
+                timeout=aiohttp.ClientTimeout(
+                    total=None, connect=None, sock_connect=self.connect_s, sock_read=self.timeout_s
                 ),
-                timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_s, sock_read=self.timeout_s),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
             )
@@ -99,22 +178,36 @@ class UpstreamResult:
 
 
 class _RetryableFailure(Exception):
-    pass
+    """This try failed in a way that is safe to send again elsewhere; the replica is marked failed."""
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status  # what the client gets if no retry is left: 502, or 503 for vLLM's 503
 
 
-async def _unless_dead(coro: Awaitable[T], lease: Lease) -> T:
+class _Broken(Exception):
+    """The replica's answer broke after it began (not safe to send again): a 502, replica failed."""
+
+
+async def _unless_dead(coro: Awaitable[T], lease: Lease, first_byte_s: float | None = None) -> T:
     """Await ``coro`` unless the leased replica dies first (a dead replica's engine may never
-    close its sockets, so waiting on them alone could hang until the upstream timeout)."""
+    close its sockets, so waiting on them alone could hang until the upstream timeout) or
+    ``first_byte_s`` passes (then the caller closes the connection and the engine drops it)."""
     work = asyncio.ensure_future(coro)
     death = asyncio.ensure_future(lease.died.wait())
     try:
-        done, _ = await asyncio.wait({work, death}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, death}, timeout=first_byte_s, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled (the client left): the upstream request goes too
+        work.cancel()
+        raise
     finally:
         death.cancel()
     if work in done:
         return work.result()
     work.cancel()
-    raise _RetryableFailure(f"replica {lease.replica} died")
+    if death in done:
+        raise _RetryableFailure(f"replica {lease.replica} died")
+    raise _RetryableFailure(f"no response byte within {first_byte_s:g}s")
 
 
 async def _open(
@@ -125,17 +218,17 @@ async def _open(
     headers = {"authorization": f"Bearer {lease.token}", "content-type": "application/json", "x-request-id": request_id}
     try:
         resp = await client.session.post(lease.url + path, data=body, headers=headers)
-    except RETRYABLE as exc:
+    except aiohttp.ClientConnectionError as exc:  # refused, reset or closed before any response byte
         raise _RetryableFailure(f"{type(exc).__name__}: {exc}") from exc
-    if resp.status >= 500:
+    if resp.status == 503:  # vLLM's answer when its engine is dead
         resp.close()
-        raise _RetryableFailure(f"replica answered {resp.status}")
+        raise _RetryableFailure("replica answered 503 (engine unavailable)", status=503)
     if resp.status >= 400 or not stream:
         try:
             data = await resp.read()
-        except RETRYABLE as exc:
+        except BROKEN as exc:
             resp.close()
-            raise _RetryableFailure(f"{type(exc).__name__}: {exc}") from exc
+            raise _Broken(f"{type(exc).__name__} reading the answer") from exc
         resp.release()
         return resp, data
     return resp, None
@@ -144,14 +237,14 @@ async def _open(
 async def _first_chunk(resp: aiohttp.ClientResponse) -> bytes:
     try:
         return await resp.content.readany()
-    except RETRYABLE as exc:
+    except BROKEN as exc:  # the stream's head came, its first event did not: nothing sent yet
         resp.close()
         raise _RetryableFailure(f"{type(exc).__name__}: {exc}") from exc
 
 
 class _Cleanup:
-    def __init__(self, resp: aiohttp.ClientResponse, lease: Lease, obs: Observer) -> None:
-        self.resp, self.lease, self.obs, self.done = resp, lease, obs, False
+    def __init__(self, resp: aiohttp.ClientResponse, lease: Lease, obs: Observer, slot: Callable[[], None]) -> None:
+        self.resp, self.lease, self.obs, self.slot, self.done = resp, lease, obs, slot, False
         # A dead replica's engine may never close its sockets: close ours so the read ends.
         self.watcher = asyncio.ensure_future(self._watch())
 
@@ -170,7 +263,8 @@ class _Cleanup:
             else:
                 self.resp.close()
         finally:
-            self.lease.release()
+            self.slot()
+            self.lease.release(failed=status == 502)
             self.obs.finish(status)
 
 
@@ -192,7 +286,7 @@ async def _relay(first: bytes, cleanup: _Cleanup, request_id: str, obs: Observer
         if tail:
             yield tail
         status = 200
-    except RETRYABLE as exc:
+    except BROKEN as exc:
         status = 502
         logger.warning("[%s] stream from %s broke: %s", request_id, lease.replica, type(exc).__name__)
         yield obs.flush() + sse_error_event(
@@ -213,44 +307,67 @@ async def forward(
     request_id: str,
     retries: int,
     obs: Observer,
+    budget: RetryBudget | None = None,
+    first_byte_s: float | None = None,
 ) -> UpstreamResult:
-    """Run one request against the model tier with failover before the first byte."""
-    last: str = "no attempt"
+    """Run one request against the model tier with failover before the first byte (module
+    docstring: what is retried). ``first_byte_s`` bounds each try's wait for its first byte."""
+    last, status, tried = "no attempt", 502, 0
+    if budget is not None:
+        budget.request()
     for attempt in range(1, retries + 2):
         if attempt > 1:
+            if budget is not None and not budget.try_retry():
+                last += "; retry budget spent"
+                break
             obs.retried()
             await asyncio.sleep(min(0.25 * (attempt - 1), 1.0))
+        tried = attempt
+        release_slot = await client.slot()
         try:
             lease = await leaser()
         except ReplicaGone as exc:
-            last = str(exc)
+            release_slot()
+            last, status = str(exc), 502
             logger.warning("[%s] lease attempt %d failed: %s", request_id, attempt, last)
             continue
+        except BaseException:
+            release_slot()
+            raise
         try:
-            resp, data = await _unless_dead(_open(client, lease, path, body, request_id, stream), lease)
+            resp, data = await _unless_dead(_open(client, lease, path, body, request_id, stream), lease, first_byte_s)
             headers = {"content-type": resp.headers.get("content-type", "application/json")}
             if data is not None:
+                release_slot()
                 lease.release()
                 if resp.status >= 400:
-                    data = normalize_upstream_error(resp.status, data)
+                    data = normalize_upstream_error(resp.status, data, request_id)
                 obs.finish(resp.status, data)
                 return UpstreamResult(
                     resp.status, headers, data, replica=lease.replica, route=lease.route, attempts=attempt
                 )
             try:
-                first = await _unless_dead(_first_chunk(resp), lease)
+                first = await _unless_dead(_first_chunk(resp), lease, first_byte_s)
             except _RetryableFailure:
                 resp.close()
                 raise
         except _RetryableFailure as exc:
+            release_slot()
             lease.release(failed=True)
-            last = str(exc)
+            last, status = str(exc), exc.status
             logger.warning("[%s] attempt %d on %s failed: %s", request_id, attempt, lease.replica, last)
             continue
+        except _Broken as exc:
+            release_slot()
+            lease.release(failed=True)
+            logger.warning("[%s] answer from %s broke: %s", request_id, lease.replica, exc)
+            obs.finish(502)
+            raise UpstreamError("The model replica failed while answering; retry the request.") from None
         except BaseException:
+            release_slot()
             lease.release()
             raise
-        cleanup = _Cleanup(resp, lease, obs)
+        cleanup = _Cleanup(resp, lease, obs, release_slot)
         return UpstreamResult(
             200,
             headers,
@@ -260,5 +377,8 @@ async def forward(
             attempts=attempt,
             aclose=cleanup,
         )
-    obs.finish(502)
-    raise UpstreamError(f"No model replica could serve the request after {retries + 1} attempts.")
+    obs.finish(status)
+    logger.warning("[%s] giving up: %s", request_id, last)
+    if status == 503:
+        raise Unavailable("The model's replicas are unavailable; retry shortly.", headers={"retry-after": "1"})
+    raise UpstreamError(f"No model replica could serve the request after {tried} attempts.")

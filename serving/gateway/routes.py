@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -118,6 +118,38 @@ async def _stream(result: UpstreamResult, headers: dict[str, str], receive: Rece
             await result.aclose()
 
 
+async def _unless_client_leaves(
+    work: Awaitable[tuple[UpstreamResult, dict[str, str]]], receive: Receive
+) -> tuple[UpstreamResult, dict[str, str]] | None:
+    """Await ``work`` (the request up to its answer or first byte) unless the client disconnects
+    first: then ``work`` is cancelled, which closes the upstream connection, and vLLM aborts the
+    request (a non-streamed request's engine work stops with its client). None if it left."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        result, _ = await task
+    except BaseException:  # noqa: BLE001 - cancelled (the usual case) or failed: nothing to send
+        return None
+    if result.aclose is not None:  # it finished just as the client left: release what it holds
+        await result.aclose()
+    return None
+
+
 class _Generate:
     """The two generate routes as one raw ASGI endpoint (the per-request and per-chunk path)."""
 
@@ -142,9 +174,14 @@ class _Generate:
                 return  # the client left before sending its request
             parsed = parse_request(raw, self.kind)
             resolved = core.authorize(tenant, parsed.model)
-            result, extra = await core.complete(
-                parsed, resolved, tenant, self.path, rid, session_id=_header(scope, b"x-session-id")
+            done = await _unless_client_leaves(
+                core.complete(parsed, resolved, tenant, self.path, rid, session_id=_header(scope, b"x-session-id")),
+                receive,
             )
+            if done is None:
+                logger.info("[%s] the client left before the answer; the request was cancelled", rid)
+                return
+            result, extra = done
         except GatewayError as exc:
             return await self._error(exc, rid)(scope, receive, send)
         except Exception as exc:  # never a stack trace to the client
@@ -156,6 +193,7 @@ class _Generate:
         if core.settings.expose_replica_header:
             headers["x-replica"] = result.replica
             headers["x-replica-route"] = result.route
+            headers["x-upstream-attempts"] = str(result.attempts)
             headers["x-gateway-replica"] = core.replica_id
         if logger.isEnabledFor(logging.INFO):
             logger.info(

@@ -101,8 +101,13 @@ def engine_args(spec: EngineSpec) -> dict[str, str | int | float | bool]:
     return args
 
 
-def vllm_command(spec: EngineSpec, host: str, port: int, token: str) -> list[str]:
-    """Arguments after ``python`` that start vLLM's OpenAI server for this spec."""
+GUARD = "serving.replica.engine_guard.RequireToken"
+
+
+def vllm_command(spec: EngineSpec, host: str, port: int) -> list[str]:
+    """Arguments after ``python`` that start vLLM's OpenAI server for this spec. No secret is
+    among them (``ps`` shows them to every local user): the token travels in the environment
+    (:func:`vllm_env`) and :mod:`serving.replica.engine_guard` requires it on every route."""
     args = [
         "-m",
         VLLM_SERVER_MODULE,
@@ -114,7 +119,8 @@ def vllm_command(spec: EngineSpec, host: str, port: int, token: str) -> list[str
         host,
         "--port",
         str(port),
-        f"--api-key={token}",  # one argument: a token_urlsafe token may start with "-"
+        "--middleware",
+        GUARD,
         "--disable-uvicorn-access-log",
         "--uvicorn-log-level",
         "warning",
@@ -132,11 +138,14 @@ def vllm_command(spec: EngineSpec, host: str, port: int, token: str) -> list[str
     return args
 
 
-def vllm_env(spec: EngineSpec, cores: list[int] | None = None) -> dict[str, str]:
-    """Environment for the engine process: offline, no prompt logging, CPU cache; for a
+def vllm_env(spec: EngineSpec, cores: list[int] | None = None, token: str | None = None) -> dict[str, str]:
+    """Environment for the engine process: its token (``VLLM_API_KEY``, read by vLLM and by the
+    guard middleware), offline, no prompt logging, CPU cache; for a
     single-process CPU engine, in-process execution with ``cpus_per_rank`` OpenMP threads, else
     the ranks' core binding (to ``cores`` when given, split over the ranks)."""
     env = dict(OFFLINE_ENV)
+    if token:
+        env["VLLM_API_KEY"] = token
     if not spec.use_gpu:
         e = spec.engine
         env["VLLM_CPU_KVCACHE_SPACE"] = str(e.kv_cache_space_gib)

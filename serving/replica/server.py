@@ -149,15 +149,16 @@ class ModelServer:
         self.replica, self.app = _replica_tag()
         self.endpoint = Endpoint(f"http://{self.host}:{self.port}", self.token, self.replica)
         self.cores = _engine_cores(self.spec)
-        env = {**os.environ, **vllm_env(self.spec, self.cores)}
+        env = {**os.environ, **vllm_env(self.spec, self.cores, self.token)}
         gpus = _placement_group_gpus(self.spec)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus
-        cmd = [sys.executable, *vllm_command(self.spec, self.host, self.port, self.token)]
+        cmd = [sys.executable, *vllm_command(self.spec, self.host, self.port)]
         logger.info("starting vLLM for %s@%s on port %d", self.spec.model, self.spec.version, self.port)
         # New session: the engine's processes die with it when we stop it (killpg).
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+        # every engine route but /health needs the token (serving.replica.engine_guard), /metrics too
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers={"authorization": f"Bearer {self.token}"})
         self._wait_ready()
         pin = self.cores and self.spec.engine.pin_cores and single_process(self.spec)
         engine_pid = engine_core_pid(self.proc.pid) if pin else None

@@ -128,3 +128,28 @@ def test_still_serving_after_errors(stack: Stack) -> None:
         timeout=60,
     )
     assert r.status_code == 200 and r.json()["choices"][0]["text"].strip() == "42"
+
+
+def test_an_engine_error_reaches_the_client_once_and_the_replica_stays(stack: Stack) -> None:
+    """adder's vocabulary (digits and signs) cannot spell JSON: vLLM fails the request with a 500.
+    The client gets that 500, in OpenAI's shape, after one attempt; the replica is not sidelined."""
+    body = {"model": "adder", "messages": MSG, "max_tokens": 4, "response_format": {"type": "json_object"}}
+    headers = {**stack.headers(), "x-request-id": "itest-json-object"}
+    r = httpx.post(f"{stack.url}{CHAT}", json=body, headers=headers, timeout=60)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "server_error"
+    assert "itest-json-object" in err["message"] and "No model replica" not in err["message"]
+    assert r.headers["x-upstream-attempts"] == "1"
+    gateway, replica = r.headers["x-gateway-replica"], r.headers["x-replica"]
+    # Within the 5 s a failed replica would be skipped, the same gateway replica still picks it.
+    ok = {"model": "adder", "prompt": "1+2=", "max_tokens": 2}
+    seen = set()
+    for _ in range(40):
+        s = httpx.post(f"{stack.url}/v1/completions", json=ok, headers=stack.headers(), timeout=60)
+        assert s.status_code == 200
+        if s.headers["x-gateway-replica"] == gateway:
+            seen.add(s.headers["x-replica"])
+        if replica in seen:
+            break
+    assert replica in seen

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.conftest import Stack
+from tests.integration.raytools import ray_run
 
 pytestmark = pytest.mark.integration
 
@@ -97,6 +98,130 @@ def test_streamed_usage_counts_towards_tpm_and_is_hidden_unless_asked(stack: Sta
     assert '"usage"' not in text and text.rstrip().endswith("data: [DONE]")
     r2 = _post(stack, "tokens", ADD)
     assert int(r2.headers["x-ratelimit-remaining-tokens"]) < 60
+
+
+def test_an_abandoned_stream_bills_the_tokens_it_used(stack: Stack) -> None:
+    _fresh_window()
+    body = {**ADD, "max_tokens": 40, "ignore_eos": True, "stream": True}
+    events = 0
+    with httpx.stream(
+        "POST", f"{stack.url}/v1/completions", json=body, headers=stack.headers("tokens"), timeout=60
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            events += line.startswith("data: {")
+            if events == 3:
+                break  # leave mid-stream: the engine learns it from the closed connection
+    time.sleep(1.5)  # the gateway settles the request as it ends
+    r2 = _post(stack, "tokens", {**ADD, "max_tokens": 1})
+    assert r2.status_code == 200, r2.text
+    remaining = int(r2.headers["x-ratelimit-remaining-tokens"])  # 60 - used - r2's reservation (1)
+    # the abandoned stream's prompt and at least its 3 completion tokens count; its unused
+    # reservation (up to 40) was given back
+    assert 0 < remaining <= 60 - 1 - 3 - 1, remaining
+
+
+def test_concurrent_requests_cannot_overshoot_tpm_by_more_than_one_reservation(stack: Stack) -> None:
+    _fresh_window()
+    body = {**ADD, "max_tokens": 20, "ignore_eos": True}
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120, headers=stack.headers("tokens")) as c:
+            return await asyncio.gather(*(c.post(f"{stack.url}/v1/completions", json=body) for _ in range(10)))
+
+    rs = asyncio.run(run())
+    assert {r.status_code for r in rs} <= {200, 429}
+    ok = [r for r in rs if r.status_code == 200]
+    completion = sum(r.json()["usage"]["completion_tokens"] for r in ok)
+    # each reserves n x max_tokens = 20 against the TPM of 60: 0, 20, 40 reserved -> 3 admitted
+    assert 1 <= len(ok) <= 3 and completion <= 60 + 20, (len(ok), completion)
+
+
+# Runs as a Ray driver (tests/integration/raytools.py): the window-sensitive part starts only once
+# connected, so the whole sequence falls in one 10 s window.
+RESTART = """
+import os, threading, time, httpx
+url, limited, tokens = os.environ["URL"], os.environ["KEY_LIMITED"], os.environ["KEY_TOKENS"]
+body = {"model": "adder", "prompt": "12+30=", "max_tokens": 3, "temperature": 0}
+
+def post(key):
+    r = httpx.post(url, json=body, headers={"authorization": "Bearer " + key}, timeout=60)
+    return r.status_code
+
+time.sleep(10 - time.time() % 10 + 0.05)  # the start of a window
+window = int(time.time() // 10)
+before = [post(limited) for _ in range(2)]
+time.sleep(1.2)  # the actor checkpoints every 0.5 s
+ray.kill(ray.get_actor("raystack-quota"), no_restart=False)
+during = []  # requests of a TPM-limited tenant while the actor restarts: answered, never 500
+threads = [threading.Thread(target=lambda: during.append(post(tokens))) for _ in range(3)]
+for t in threads:
+    t.start()
+deadline = time.time() + 30
+while time.time() < deadline:
+    try:
+        ray.get(ray.get_actor("raystack-quota").admit.remote("probe", None, None, 10.0), timeout=2)
+        break
+    except Exception:
+        time.sleep(0.1)
+after = [post(limited) for _ in range(4)]
+for t in threads:
+    t.join()
+print(json.dumps({"before": before, "during": during, "after": after, "one_window": int(time.time() // 10) == window}))
+"""
+
+
+def test_quota_counts_survive_an_actor_restart_and_no_request_fails(stack: Stack) -> None:
+    env = {
+        "URL": f"{stack.url}/v1/completions",
+        "KEY_LIMITED": stack.keys["limited"],
+        "KEY_TOKENS": stack.keys["tokens"],
+    }
+    out = ray_run(stack, RESTART, env=env)
+    assert out["one_window"], out
+    assert out["before"] == [200, 200] and sorted(out["during"]) == [200, 200, 200], out
+    # rpm 4: the 2 admitted before the restart still count after it
+    assert out["after"] == [200, 200, 429, 429], out
+
+
+def test_a_tenants_concurrent_streams_are_capped(stack: Stack) -> None:
+    """Tenant 'hashed' has max_streams 2 (across both gateway replicas): of 6 streams sent at once,
+    the ones admitted while two run are refused with 429, in OpenAI's shape (an admission takes a
+    millisecond or two, a stream of 4 x 50 tokens much longer); a plain request still passes."""
+    url = f"{stack.url}/v1/completions"
+    body = {"model": "subtractor", "prompt": "50-8=", "max_tokens": 50, "n": 4, "ignore_eos": True, "stream": True}
+
+    async def run() -> tuple[list[httpx.Response], httpx.Response]:
+        async with httpx.AsyncClient(timeout=120, headers=stack.headers("hashed")) as c:
+            streams = await asyncio.gather(*(c.post(url, json=body) for _ in range(6)))
+            plain = await c.post(url, json={**body, "stream": False, "n": 1, "max_tokens": 2})
+        return list(streams), plain
+
+    streams, plain = asyncio.run(run())
+    codes = sorted(r.status_code for r in streams)
+    assert set(codes) == {200, 429} and codes.count(200) >= 2, codes
+    refused = next(r for r in streams if r.status_code == 429)
+    err = refused.json()["error"]
+    assert err["code"] == "rate_limit_streams" and set(err) == {"message", "type", "param", "code"}
+    assert refused.headers["retry-after"] == "1" and plain.status_code == 200
+
+
+def test_a_slowloris_client_is_cut_after_the_header_timeout(stack: Stack) -> None:
+    import socket
+
+    host, port = stack.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-ty")  # half the headers, then nothing
+        started = time.monotonic()
+        got = b""
+        while chunk := s.recv(4096):  # the stack's header_timeout_s is 3 s; without it, recv times out
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 30
+
+
+def test_n_is_bounded(stack: Stack) -> None:
+    r = _post(stack, "main", {**ADD, "n": 9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
 def test_session_affinity_pins_a_session_to_one_replica(stack: Stack) -> None:

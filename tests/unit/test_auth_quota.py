@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 
 from serving.config import AuthConfig
-from serving.errors import AuthenticationError
+from serving.errors import AuthenticationError, Unavailable
 from serving.gateway.admission.auth import ANONYMOUS, Authenticator, hash_key, new_key
-from serving.gateway.admission.quota import WindowCounter, rate_limit_headers
+from serving.gateway.admission.quota import QuotaActor, QuotaClient, WindowCounter, rate_limit_headers
 
 
 def test_hashed_and_env_keys(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,3 +60,74 @@ def test_window_counter_requests_and_tokens() -> None:
     assert not b.allowed and b.reason == "tokens" and b.remaining_tokens == 0
     h = rate_limit_headers(b)
     assert h["x-ratelimit-limit-tokens"] == "60" and h["x-ratelimit-reset-tokens"] == "7s"
+
+
+def test_token_reservations_bound_concurrent_overshoot_and_are_settled() -> None:
+    c = WindowCounter()
+    # 10 concurrent requests of up to 20 tokens against a TPM of 60: admitted while used plus
+    # reserved is below the limit, so at most 3 (60 + one reservation at worst)
+    got = [c.admit("t", None, 60, 10, now=100.0, reserve=20) for _ in range(10)]
+    admitted = [a for a in got if a.allowed]
+    assert len(admitted) == 3 and all(a.ticket for a in admitted)
+    assert got[3].reason == "tokens" and got[3].remaining_tokens == 0
+    for a in admitted:  # each used 5 of its 20: the rest is given back
+        c.record("t", 5, 10, now=101.0, ticket=a.ticket)
+    a = c.admit("t", None, 60, 10, now=102.0, reserve=20)
+    assert a.allowed and a.remaining_tokens == 60 - 15 - 20
+    # a reservation never settled (its gateway died) lapses
+    short = WindowCounter(hold_s=5)
+    assert short.admit("u", None, 10, 1000, now=0.0, reserve=10).allowed
+    assert not short.admit("u", None, 10, 1000, now=1.0, reserve=10).allowed
+    assert short.admit("u", None, 10, 1000, now=6.0, reserve=10).allowed
+
+
+class _MemoryKV:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def put(self, key: str, value: bytes) -> None:
+        self.data[key] = value
+
+    def delete(self, key: str) -> None:
+        self.data.pop(key, None)
+
+    def scan(self, prefix: str) -> dict[str, bytes]:
+        return {k: v for k, v in self.data.items() if k.startswith(prefix)}
+
+
+def test_quota_actor_counts_survive_a_restart_through_its_checkpoint() -> None:
+    kv = _MemoryKV()
+    first = QuotaActor(kv, checkpoint_s=0)
+    assert [first.admit("t", 2, None, 3600).allowed for _ in range(2)] == [True, True]
+    held = first.admit("u", None, 100, 3600, reserve=40)
+    assert first.checkpoint() and not first.checkpoint()  # written once, then nothing new
+    again = QuotaActor(kv, checkpoint_s=0)  # what Ray's restart runs
+    assert not again.admit("t", 2, None, 3600).allowed
+    assert again.admit("u", None, 100, 3600, reserve=40).remaining_tokens == 100 - 80
+    again.record("u", 10, 3600, ticket=held.ticket)
+    assert again.admit("u", None, 100, 3600).remaining_tokens == 100 - 10 - 40
+
+
+class _Call:
+    def __init__(self, fn: Any) -> None:
+        self.remote = fn
+
+
+class _Unanswering:
+    """An actor handle whose calls never complete (a hung or restarting actor)."""
+
+    def __init__(self) -> None:
+        self.admit = _Call(lambda *a: asyncio.get_running_loop().create_future())
+        self.record = _Call(lambda *a: None)
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+async def test_an_unanswering_quota_actor_fails_open_or_closed_in_bounded_time(mode: str) -> None:
+    client = QuotaClient(10, _Unanswering(), timeout_s=0.2, failure_mode=mode)
+    if mode == "open":
+        assert await asyncio.wait_for(client.admit("t", 5, None), 2) == ({}, 0)
+    else:
+        with pytest.raises(Unavailable) as exc:
+            await asyncio.wait_for(client.admit("t", 5, None), 2)
+        assert exc.value.status == 503 and exc.value.headers["retry-after"] == "1"
+    assert client.failures == 1

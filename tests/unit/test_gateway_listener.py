@@ -97,6 +97,8 @@ def test_direct_ingress_is_the_default_and_moves_serves_proxy_aside() -> None:
     sc = build_serve_config(parse_config({"auth": {"mode": "open"}, "models": [MODEL], "gateway": {"port": 9100}}))
     gateway = sc["applications"][0]["args"]["config"]
     assert (gateway["ingress"], gateway["host"], gateway["port"]) == ("listener", "127.0.0.1", 9100)
+    limits = ("keep_alive_s", "header_timeout_s", "body_timeout_s", "max_client_connections")
+    assert [gateway[k] for k in limits] == [60, 10.0, 30.0, 4096]
     assert sc["http_options"]["port"] == 9101
     sc = build_serve_config(
         parse_config({"auth": {"mode": "open"}, "models": [MODEL], "gateway": {"port": 9100, "proxy_port": 9200}})

@@ -59,13 +59,24 @@ def test_model_rewrite_keeps_bytes_when_unchanged() -> None:
     assert json.loads(p.upstream_body("other"))["model"] == "other"
 
 
-def test_streams_always_ask_for_usage_upstream() -> None:
+def test_streams_always_ask_for_usage_on_every_chunk_upstream() -> None:
+    every = {"include_usage": True, "continuous_usage_stats": True}
     p = parse_request(b'{"model": "a", "prompt": "1", "stream": true}', "completion")
-    assert json.loads(p.upstream_body("a"))["stream_options"] == {"include_usage": True}
+    assert json.loads(p.upstream_body("a"))["stream_options"] == every
     q = parse_request(
         b'{"model": "a", "prompt": "1", "stream": true, "stream_options": {"include_usage": true}}', "completion"
     )
-    assert q.upstream_body("a") is q.raw
+    assert json.loads(q.upstream_body("a"))["stream_options"] == every
+    raw = b'{"model": "a", "prompt": "1", "stream": true, "stream_options": ' + json.dumps(every).encode() + b"}"
+    r = parse_request(raw, "completion")
+    assert r.continuous_usage and r.upstream_body("a") is r.raw
+
+
+def test_reservation_is_n_times_the_token_limit() -> None:
+    assert parse_request(b'{"prompt": "1", "max_tokens": 5, "n": 3}', "completion").reserve_tokens(64) == 15
+    assert parse_request(b'{"prompt": "1"}', "completion").reserve_tokens(64) == 64
+    chat = parse_request(b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 7}', "chat")
+    assert chat.reserve_tokens(64) == 7
 
 
 SSE = (
@@ -84,6 +95,37 @@ def test_stream_tap_finds_usage_across_any_chunking(size: int, strip: bool) -> N
     assert tap.usage == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
     assert (b'"usage"' in out) is not strip
     assert out.endswith(b"data: [DONE]\n\n") and out.count(b"\n\n") == (3 if strip else 4)
+
+
+def _chunk(i: int, text: str, done: int, usage: bool = True) -> bytes:
+    u = f',"usage":{{"prompt_tokens":5,"completion_tokens":{done},"total_tokens":{5 + done}}}' if usage else ""
+    return f'data: {{"id":"c","choices":[{{"index":{i},"text":"{text}","logprobs":null}}]{u}}}\n\n'.encode()
+
+
+FINAL = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":4,"total_tokens":9}}\n\n'
+CONTINUOUS = _chunk(0, "4", 1) + _chunk(1, "4", 1) + _chunk(0, "2", 2) + _chunk(1, "2", 2) + FINAL + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("size", [1, 9, 64, len(CONTINUOUS)])
+def test_stream_tap_strips_what_the_client_did_not_ask_for(size: int) -> None:
+    def run(tap: StreamTap) -> bytes:
+        parts = [CONTINUOUS[i : i + size] for i in range(0, len(CONTINUOUS), size)]
+        return b"".join(tap.feed(p) for p in parts) + tap.flush()
+
+    bare = _chunk(0, "4", 0, False) + _chunk(1, "4", 0, False) + _chunk(0, "2", 0, False) + _chunk(1, "2", 0, False)
+    nothing, final, every = StreamTap(True), StreamTap(False), StreamTap(False, keep_chunk_usage=True)
+    assert run(nothing) == bare + b"data: [DONE]\n\n"
+    assert run(final) == bare + FINAL + b"data: [DONE]\n\n"
+    assert run(every) == CONTINUOUS
+    for tap in (nothing, final, every):
+        assert tap.usage == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+
+def test_stream_tap_knows_the_usage_of_a_stream_that_never_ends() -> None:
+    tap = StreamTap(True)
+    out = tap.feed(_chunk(0, "4", 1) + _chunk(1, "4", 1) + _chunk(0, "2", 2))  # n=2, cut before the end
+    assert b'"usage"' not in out
+    assert tap.usage == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 
 
 def test_usage_of_plain_body() -> None:

@@ -95,12 +95,16 @@ def test_engine_command_and_env() -> None:
             max_model_len=64, tensor_parallel_size=2, extra_args={"enforce-eager": True, "block_size": 16}
         ),
     )
-    cmd = vllm_command(spec, "127.0.0.1", 9000, "tok")
+    cmd = vllm_command(spec, "127.0.0.1", 9000)
     assert cmd[:2] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
     assert cmd[cmd.index("--served-model-name") + 1] == "adder"
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert "--enforce-eager" in cmd and cmd[cmd.index("--block-size") + 1] == "16"
     assert "--enable-log-requests" not in cmd
+    # the token is in the environment, never on the command line (ps shows it to every user)
+    assert not any("api-key" in a or "tok" in a for a in cmd)
+    assert cmd[cmd.index("--middleware") + 1] == "serving.replica.engine_guard.RequireToken"
+    assert vllm_env(spec, token="tok")["VLLM_API_KEY"] == "tok"
     env = vllm_env(spec)
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "VLLM_CPU_OMP_THREADS_BIND" in env
@@ -148,7 +152,7 @@ def test_one_rank_cpu_engines_run_in_one_process() -> None:
     one rank runs in EngineCore itself (executor ``uni``), with cpus_per_rank OpenMP threads."""
     one = EngineSpec(model="m", version="v1", path="/p", engine=EngineConfig(), cpus_per_rank=2)
     assert single_process(one)
-    cmd = vllm_command(one, "127.0.0.1", 9000, "tok")
+    cmd = vllm_command(one, "127.0.0.1", 9000)
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
     env = vllm_env(one, [0, 1])
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "2"
@@ -161,7 +165,7 @@ def test_one_rank_cpu_engines_run_in_one_process() -> None:
             path="/p",
             engine=EngineConfig(extra_args={"distributed-executor-backend": backend}),
         )
-        cmd = vllm_command(named, "127.0.0.1", 9000, "tok")
+        cmd = vllm_command(named, "127.0.0.1", 9000)
         assert cmd.count("--distributed-executor-backend") == 1
         assert ("VLLM_ENABLE_V1_MULTIPROCESSING" in vllm_env(named)) == (backend == "uni")
     # more than one rank, or a GPU: vLLM's multiprocess executor as before
@@ -169,7 +173,7 @@ def test_one_rank_cpu_engines_run_in_one_process() -> None:
     gpu = EngineSpec(model="m", version="v1", path="/p", engine=EngineConfig(), use_gpu=True, gpus_per_rank=1)
     for spec in (tp2, gpu):
         assert not single_process(spec)
-        assert "--distributed-executor-backend" not in vllm_command(spec, "127.0.0.1", 9000, "tok")
+        assert "--distributed-executor-backend" not in vllm_command(spec, "127.0.0.1", 9000)
         assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(spec)
 
 
@@ -252,15 +256,16 @@ def test_single_process_engine_is_pinned_apart_from_its_api_server(tmp_path: Pat
         api.wait()
 
 
-def test_vllm_parses_a_token_that_starts_with_a_dash() -> None:
-    """secrets.token_urlsafe can start with "-"; as a separate argument vLLM took it for an option
-    and the server exited at start (seen once in CI)."""
+def test_vllm_parses_the_command_with_the_guard_and_no_token() -> None:
+    """vLLM's own parser takes the command: the guard middleware is loaded, no key is on it (the
+    token is VLLM_API_KEY in the environment, so one starting with "-" cannot pass for an option)."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from serving.replica.engine import vllm_command
 
     spec = EngineSpec(model="m", version="v1", path="/p", engine=EngineConfig())
-    args = vllm_command(spec, "127.0.0.1", 8000, "-Xq_starts-with-dash")
+    args = vllm_command(spec, "127.0.0.1", 8000)
     ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args[2:])
-    assert ns.api_key == ["-Xq_starts-with-dash"] and ns.port == 8000 and ns.model == "/p"
+    assert ns.middleware == ["serving.replica.engine_guard.RequireToken"] and not ns.api_key
+    assert ns.port == 8000 and ns.model == "/p"

@@ -29,6 +29,7 @@ class Tenant:
     rpm: int | None = None
     tpm: int | None = None
     priority: int = 5
+    max_streams: int | None = None  # concurrent streams, across gateway replicas
 
     def allows(self, model: str) -> bool:
         return "*" in self.models or model in self.models
@@ -58,7 +59,7 @@ class Authenticator:
         self._hashed: list[tuple[str, str, Tenant]] = []  # (salt, hexdigest, tenant)
         self._cache: dict[bytes, Tenant] = {}
         for t in auth.tenants:
-            tenant = Tenant(t.name, frozenset(t.models), t.rpm, t.tpm, t.priority)
+            tenant = Tenant(t.name, frozenset(t.models), t.rpm, t.tpm, t.priority, t.max_streams)
             for h in t.key_hashes:
                 _, salt, hexd = h.split("$")
                 self._hashed.append((salt, hexd, tenant))
