@@ -119,6 +119,8 @@ def _model_application(cfg: StackConfig, m: ModelConfig, v: ModelVersion, base: 
         gpus_per_rank=m.deployment.gpus_per_rank,
         cpus_per_rank=m.deployment.cpus_per_rank,
         startup_timeout_s=m.deployment.startup_timeout_s,
+        stall_timeout_s=m.deployment.stall_timeout_s,
+        secret_env=sorted({t.key_env for t in cfg.auth.tenants if t.key_env}),
     )
     return {
         "name": name,

@@ -22,6 +22,7 @@ __all__ = [
     "DeploymentOptions",
     "EngineConfig",
     "GatewayConfig",
+    "KubernetesConfig",
     "LocalRayConfig",
     "ModelConfig",
     "ModelVersion",
@@ -40,6 +41,11 @@ def _check_name(v: str) -> str:
     return v
 
 
+# registry/repository, then :tag and/or @sha256:digest (at least one)
+IMAGE_RE = re.compile(
+    r"^(?P<repo>[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*)"
+    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
+)
 VERSION_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,30}$")
 
 
@@ -123,6 +129,12 @@ class DeploymentOptions(_Strict):
     cpus_per_rank: float = Field(1.0, gt=0, description="CPU reserved per TP/PP rank.")
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per rank (0 = CPU engine).")
     startup_timeout_s: float = Field(600, gt=0, description="Engine start before the replica fails.")
+    stall_timeout_s: float = Field(
+        30,
+        gt=0,
+        description="An engine holding requests that generates and prefills no token this long is hung: "
+        "its replica fails its health check and is replaced; its unanswered requests go elsewhere.",
+    )
     cold_start_timeout_s: float = Field(
         120, gt=0, description="How long a request waits for a replica of a scaled-to-zero model."
     )
@@ -310,6 +322,24 @@ class LocalRayConfig(_Strict):
     )
 
 
+class KubernetesConfig(_Strict):
+    """What `serving render-k8s` writes into the overlay besides the Serve config."""
+
+    image: str = Field(
+        "ghcr.io/raystack/raystack-llm:0.1.0-ray2.60.0",
+        description="Image of every Ray pod (serving and training): `repo:tag`, `repo@sha256:<digest>` or "
+        "`repo:tag@sha256:<digest>`. Pin production by digest (docs/operations.md).",
+    )
+
+    @field_validator("image")
+    @classmethod
+    def _image_ref(cls, v: str) -> str:
+        m = IMAGE_RE.match(v)
+        if not m or not (m["tag"] or m["digest"]):
+            raise ValueError("image must be repo:tag, repo@sha256:<64 hex> or repo:tag@sha256:<64 hex>")
+        return v
+
+
 class StackConfig(_Strict):
     """A whole environment: gateway plus models."""
 
@@ -318,6 +348,7 @@ class StackConfig(_Strict):
     gateway: GatewayConfig = Field(GatewayConfig(), description="The OpenAI-compatible ingress.")
     auth: AuthConfig = Field(description="Required: keys and tenants, or an explicit `mode: open`.")
     local_ray: LocalRayConfig = Field(LocalRayConfig(), description="Only for `serving up`.")
+    kubernetes: KubernetesConfig = Field(KubernetesConfig(), description="Only for `serving render-k8s`.")
     models: list[ModelConfig] = Field(min_length=1, description="Models served at the same time.")
 
     @model_validator(mode="after")

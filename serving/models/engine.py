@@ -26,6 +26,7 @@ __all__ = [
     "single_process",
     "spare_cores",
     "vllm_command",
+    "engine_environ",
     "vllm_env",
 ]
 
@@ -46,6 +47,8 @@ class EngineSpec(BaseModel):
     gpus_per_rank: float = 0.0
     cpus_per_rank: float = 1.0
     startup_timeout_s: float = 600
+    stall_timeout_s: float = 30
+    secret_env: list[str] = []  # variables the engine must not inherit (the tenants' key_env)
 
     @property
     def world_size(self) -> int:
@@ -232,6 +235,13 @@ def pin_single_process(
     every = set(cpus if cpus is not None else os.sched_getaffinity(0))
     _set_affinity(engine_pid, set(cores) if spare else every)
     _set_affinity(api_pid, set(spare) if spare else every)
+
+
+def engine_environ(environ: dict[str, str], spec: EngineSpec, cores: list[int] | None = None) -> dict[str, str]:
+    """The engine process's whole environment: the replica's, less ``spec.secret_env`` (API keys
+    of the gateway's tenants, which a pod gets from its Secret), plus :func:`vllm_env`."""
+    hidden = set(spec.secret_env)
+    return {**{k: v for k, v in environ.items() if k not in hidden}, **vllm_env(spec, cores)}
 
 
 def vllm_env(spec: EngineSpec, cores: list[int] | None = None) -> dict[str, str]:

@@ -39,12 +39,13 @@ from serving.models.engine import (
     EngineSpec,
     claim_cores,
     engine_core_pid,
+    engine_environ,
     pin_single_process,
     single_process,
     spare_cores,
     vllm_command,
-    vllm_env,
 )
+from serving.models.liveness import PROGRESS_COUNTERS, StallWatch
 
 logger = logging.getLogger("ray.serve")
 
@@ -177,7 +178,7 @@ class ModelServer:
         self.replica, self.app = _replica_tag()
         self.endpoint = Endpoint(f"http://{self.host}:{self.port}", self.token, self.replica)
         self.cores = _engine_cores(self.spec)
-        env = {**os.environ, **vllm_env(self.spec, self.cores)}
+        env = engine_environ(dict(os.environ), self.spec, self.cores)
         gpus = _placement_group_gpus(self.spec)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus
@@ -191,7 +192,10 @@ class ModelServer:
         self._engine_pid = engine_core_pid(self.proc.pid) if pin else None
         self._api_cores: list[int] | None = None
         self._pin()
-        self._background_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._seq = 0  # heartbeats published
+        self._stall = StallWatch(self.spec.stall_timeout_s)
+        self._hung: str | None = None  # why the engine is taken for hung (then never cleared)
         self._load = 0.0  # the engine's running + waiting requests, read every second
         self._draining = False
         self._kv: endpoints.KV | None = None
@@ -226,17 +230,21 @@ class ModelServer:
 
     def _publish(self) -> None:
         if self._kv is not None and not self._draining and self.proc.poll() is None:
-            endpoints.publish(self._kv, self.app, self.replica, self.endpoint.url, self.endpoint.token)
+            self._seq += 1
+            state = endpoints.HUNG if self._hung else endpoints.UP
+            endpoints.publish(
+                self._kv, self.app, self.replica, self.endpoint.url, self.endpoint.token, self._seq, state
+            )
 
     async def _engine_values(self) -> dict[str, float]:
         from serving.metrics import EngineMetrics, parse_prometheus_values
 
         resp = await self._client.get(f"{self.endpoint.url}/metrics")
-        return parse_prometheus_values(resp.text, set(EngineMetrics.FIELDS))
+        return parse_prometheus_values(resp.text, {*EngineMetrics.FIELDS, *PROGRESS_COUNTERS})
 
-    async def _background(self) -> None:
-        """Every second: the engine's load (for autoscaling and draining); every 2 s the endpoint
-        heartbeat; every 5 s the engine gauges into Ray's metrics."""
+    async def _scrape_forever(self) -> None:
+        """Every second: the engine's load (for autoscaling and draining); every 5 s the engine
+        gauges into Ray's metrics. A slow or failed scrape delays only this loop."""
         from serving.metrics import EngineMetrics
 
         metrics = EngineMetrics()
@@ -248,20 +256,43 @@ class ModelServer:
                 self._load = _engine_load(values)
                 if tick % 5 == 0:
                     metrics.set(values, tags)
+                if self._hung is None and self._stall.observe(values, time.monotonic()):
+                    await self._mark_hung()
             except httpx.HTTPError:
-                pass
-            if tick % int(endpoints.HEARTBEAT_S) == 0:
+                self._stall.reset()  # no evidence either way
+            if tick % 2 == 0:
                 self._pin()
-                try:
-                    await asyncio.to_thread(self._publish)
-                except Exception as exc:  # noqa: BLE001 - gateways drop the record when it goes stale
-                    logger.warning("endpoint heartbeat failed: %s", exc)
             tick += 1
             await asyncio.sleep(1)
 
+    async def _mark_hung(self) -> None:
+        """The engine holds requests and has produced no token for ``stall_timeout_s``: fail the
+        health check (Serve replaces the replica) and mark the endpoint record ``hung``, so the
+        gateways stop picking it and retry its unanswered requests elsewhere."""
+        self._hung = (
+            f"vLLM engine hung: {self._load:.0f} requests and no token generated or prefilled "
+            f"for {self.spec.stall_timeout_s:.0f}s"
+        )
+        logger.error("%s (replica %s)", self._hung, self.replica)
+        try:
+            await asyncio.to_thread(self._publish)
+        except Exception as exc:  # noqa: BLE001 - the failing health check still replaces it
+            logger.warning("cannot mark the endpoint hung: %s", exc)
+
+    async def _heartbeat_forever(self) -> None:
+        """Every ``HEARTBEAT_S``: publish the endpoint record with the next sequence number, on its
+        own task so that nothing but the store itself can delay it."""
+        while True:
+            try:
+                await asyncio.to_thread(self._publish)
+            except Exception as exc:  # noqa: BLE001 - gateways drop the record when it stays unchanged
+                logger.warning("endpoint heartbeat failed: %s", exc)
+            await asyncio.sleep(endpoints.HEARTBEAT_S)
+
     def _ensure_background(self) -> None:
-        if self._background_task is None:
-            self._background_task = asyncio.get_running_loop().create_task(self._background())
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._scrape_forever()), loop.create_task(self._heartbeat_forever())]
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The engine's running + waiting requests: with direct routing Serve does not see the
@@ -288,6 +319,8 @@ class ModelServer:
         """Yield this replica's endpoint, then hold the lease open until the caller cancels."""
         if self.proc.poll() is not None:
             raise RuntimeError("vLLM engine process is not running")
+        if self._hung:
+            raise RuntimeError(self._hung)
         self._ensure_background()
         yield self.endpoint
         await asyncio.Event().wait()  # released by cancellation from the gateway
@@ -296,15 +329,24 @@ class ModelServer:
         return self.proc.poll() is None
 
     async def check_health(self) -> None:
-        """Serve's health check: the engine process must live and answer /health."""
+        """Serve's health check: the engine process must live, answer /health, and make progress
+        when it has work (:mod:`serving.models.liveness`)."""
         self._ensure_background()
         if self.proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with code {self.proc.returncode}")
+        if self._hung:
+            raise RuntimeError(self._hung)
         resp = await self._client.get(f"{self.endpoint.url}/health")
         if resp.status_code != 200:
             raise RuntimeError(f"vLLM /health answered {resp.status_code}")
 
     def _stop(self) -> None:
+        if self.proc.poll() is None and getattr(self, "_hung", None):
+            try:  # a stopped or stuck engine would not act on SIGTERM
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -320,13 +362,13 @@ class ModelServer:
         the gateways time to stop picking it, let the requests they already sent finish (within
         the deployment's graceful_shutdown_timeout_s), then stop vLLM."""
         self._draining = True  # no heartbeat re-publishes the record from here on
-        if getattr(self, "_background_task", None) is not None:
-            self._background_task.cancel()
+        for task in getattr(self, "_tasks", ()):
+            task.cancel()
         kv = getattr(self, "_kv", None)
         if kv is not None:
             try:
                 await asyncio.to_thread(endpoints.withdraw, kv, self.app, self.replica)
-                if self.proc.poll() is None:
+                if self.proc.poll() is None and not self._hung:  # a hung engine finishes nothing
                     await asyncio.sleep(2 * endpoints.REFRESH_S + 0.5)
                     # a heartbeat that was already in flight may have written the record again
                     await asyncio.to_thread(endpoints.withdraw, kv, self.app, self.replica)
