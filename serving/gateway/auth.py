@@ -66,7 +66,7 @@ class Authenticator:
                 self._hashed.append((salt, hexd, tenant))
             env = t.get("key_env")
             if env:
-                key = os.environ.get(env)
+                key = (os.environ.get(env) or "").strip()  # a Secret made from a file ends in a newline
                 if key:
                     self._cache[_digest(key)] = tenant
                 else:
