@@ -24,6 +24,7 @@ __all__ = [
     "GatewayConfig",
     "KubernetesConfig",
     "LocalRayConfig",
+    "ShutdownConfig",
     "ModelConfig",
     "ModelVersion",
     "StackConfig",
@@ -322,6 +323,33 @@ class LocalRayConfig(_Strict):
     )
 
 
+class ShutdownConfig(_Strict):
+    """How replicas stop: one budget for Serve's graceful shutdown and the pods' termination grace."""
+
+    grace_s: float = Field(
+        60,
+        ge=20,
+        le=3600,
+        description="Serve's graceful_shutdown_timeout_s of every deployment: a stopping replica's whole drain "
+        "fits in it. On Kubernetes every serving pod's terminationGracePeriodSeconds is at least "
+        "notice_s + grace_s (checked by the manifest tests).",
+    )
+    notice_s: float = Field(
+        5,
+        ge=0,
+        le=60,
+        description="How long a stopping gateway replica keeps serving with readiness failed (503 on "
+        "/-/healthz, `connection: close`) before it closes its listener: the time a load balancer needs to "
+        "notice. On Kubernetes also the serving pods' preStop sleep.",
+    )
+
+    @model_validator(mode="after")
+    def _fits(self) -> ShutdownConfig:
+        if self.notice_s + 10 > self.grace_s:
+            raise ValueError("grace_s must exceed notice_s by at least 10 s (the listener's drain)")
+        return self
+
+
 class KubernetesConfig(_Strict):
     """What `serving render-k8s` writes into the overlay besides the Serve config."""
 
@@ -348,6 +376,7 @@ class StackConfig(_Strict):
     gateway: GatewayConfig = Field(GatewayConfig(), description="The OpenAI-compatible ingress.")
     auth: AuthConfig = Field(description="Required: keys and tenants, or an explicit `mode: open`.")
     local_ray: LocalRayConfig = Field(LocalRayConfig(), description="Only for `serving up`.")
+    shutdown: ShutdownConfig = Field(ShutdownConfig(), description="Draining budget of stopping replicas.")
     kubernetes: KubernetesConfig = Field(KubernetesConfig(), description="Only for `serving render-k8s`.")
     models: list[ModelConfig] = Field(min_length=1, description="Models served at the same time.")
 

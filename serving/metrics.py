@@ -88,7 +88,8 @@ class EngineMetrics:
 
     def set(self, values: dict[str, float], tags: dict[str, str]) -> None:
         for name, value in values.items():
-            self.gauges[self.FIELDS[name]].set(value, tags=tags)
+            if name in self.FIELDS:  # the scrape carries more (progress counters) than is exported
+                self.gauges[self.FIELDS[name]].set(value, tags=tags)
 
 
 def parse_prometheus_values(text: str, names: set[str]) -> dict[str, float]:

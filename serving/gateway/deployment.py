@@ -145,7 +145,11 @@ class Gateway:
 
             app = create_api(self.core, set_request_id_header=True)
             self._listener = DirectListener(
-                app, listen["host"], int(listen["port"]), drain_s=float(listen.get("drain_s", 30))
+                app,
+                listen["host"],
+                int(listen["port"]),
+                drain_s=float(listen.get("drain_s", 30)),
+                notice_s=float(listen.get("notice_s", 0)),
             )
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -162,9 +166,12 @@ class Gateway:
         return {RUNNING_REQUESTS_KEY: float(self._listener.in_flight)}
 
     async def __del__(self) -> None:
-        self.leases.stop()
+        """Serve stops this replica: fail readiness, give the load balancer ``notice_s``, close the
+        listener and let its requests finish (:meth:`DirectListener.stop`); only then stop reading
+        model endpoints and close the upstream clients the requests used."""
         if self._listener is not None:
             await self._listener.stop()
+        self.leases.stop()
         await self.core.aclose()
 
     def __serve_build_asgi_app__(self) -> Any:

@@ -48,6 +48,7 @@ class EngineSpec(BaseModel):
     cpus_per_rank: float = 1.0
     startup_timeout_s: float = 600
     stall_timeout_s: float = 30
+    shutdown_grace_s: float = 60  # Serve's graceful_shutdown_timeout_s: the replica's drain fits in it
     secret_env: list[str] = []  # variables the engine must not inherit (the tenants' key_env)
 
     @property

@@ -49,7 +49,7 @@ from serving.models.liveness import PROGRESS_COUNTERS, StallWatch
 
 logger = logging.getLogger("ray.serve")
 
-DRAIN_S = 50.0  # within the model deployment's graceful_shutdown_timeout_s (60, serving/app.py)
+ENGINE_STOP_S = 10.0  # SIGTERM to SIGKILL when vLLM is stopped
 
 __all__ = ["Endpoint", "LeaseHint", "ModelServer", "free_port"]
 
@@ -196,6 +196,7 @@ class ModelServer:
         self._seq = 0  # heartbeats published
         self._stall = StallWatch(self.spec.stall_timeout_s)
         self._hung: str | None = None  # why the engine is taken for hung (then never cleared)
+        self._probe: asyncio.Task[None] | None = None
         self._load = 0.0  # the engine's running + waiting requests, read every second
         self._draining = False
         self._kv: endpoints.KV | None = None
@@ -256,23 +257,47 @@ class ModelServer:
                 self._load = _engine_load(values)
                 if tick % 5 == 0:
                     metrics.set(values, tags)
-                if self._hung is None and self._stall.observe(values, time.monotonic()):
+                now = time.monotonic()
+                if self._hung is None and self._stall.observe(values, now):
                     await self._mark_hung()
+                elif self._hung is None and self._probe is None and self._stall.should_probe(now):
+                    self._probe = asyncio.get_running_loop().create_task(self._probe_engine())
             except httpx.HTTPError:
                 self._stall.reset()  # no evidence either way
+            except Exception:  # noqa: BLE001 - a bug here must not end the loop silently
+                logger.exception("engine scrape failed")
+                self._stall.reset()
             if tick % 2 == 0:
                 self._pin()
             tick += 1
             await asyncio.sleep(1)
 
+    async def _probe_engine(self) -> None:
+        """One token from the engine; no answer within ``stall_timeout_s`` while the server
+        still answers /health means the engine is hung (:mod:`serving.models.liveness`)."""
+        body = {"model": self.spec.model, "prompt": [0], "max_tokens": 1}
+        headers = {"authorization": f"Bearer {self.token}"}
+        try:
+            await self._client.post(
+                f"{self.endpoint.url}/v1/completions", json=body, headers=headers, timeout=self.spec.stall_timeout_s
+            )
+        except httpx.TimeoutException:
+            try:
+                healthy = (await self._client.get(f"{self.endpoint.url}/health", timeout=2.0)).status_code == 200
+            except httpx.HTTPError:
+                healthy = False  # the server itself is stuck: Serve's health check judges that
+            if healthy and self._hung is None:
+                await self._mark_hung()
+        except httpx.HTTPError:
+            pass  # the engine answered, or the server is going away
+        finally:
+            self._probe = None
+
     async def _mark_hung(self) -> None:
         """The engine holds requests and has produced no token for ``stall_timeout_s``: fail the
         health check (Serve replaces the replica) and mark the endpoint record ``hung``, so the
         gateways stop picking it and retry its unanswered requests elsewhere."""
-        self._hung = (
-            f"vLLM engine hung: {self._load:.0f} requests and no token generated or prefilled "
-            f"for {self.spec.stall_timeout_s:.0f}s"
-        )
+        self._hung = f"vLLM engine hung: no token generated or prefilled for {self.spec.stall_timeout_s:.0f}s"
         logger.error("%s (replica %s)", self._hung, self.replica)
         try:
             await asyncio.to_thread(self._publish)
@@ -350,7 +375,7 @@ class ModelServer:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=ENGINE_STOP_S)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 try:
                     os.killpg(self.proc.pid, signal.SIGKILL)
@@ -360,7 +385,8 @@ class ModelServer:
     async def __del__(self) -> None:
         """Serve stops this replica (scale-down, promotion, shutdown): withdraw the endpoint, give
         the gateways time to stop picking it, let the requests they already sent finish (within
-        the deployment's graceful_shutdown_timeout_s), then stop vLLM."""
+        the deployment's graceful_shutdown_timeout_s, less the time to stop vLLM), then stop vLLM."""
+        deadline = time.monotonic() + self.spec.shutdown_grace_s - ENGINE_STOP_S - 2
         self._draining = True  # no heartbeat re-publishes the record from here on
         for task in getattr(self, "_tasks", ()):
             task.cancel()
@@ -368,11 +394,10 @@ class ModelServer:
         if kv is not None:
             try:
                 await asyncio.to_thread(endpoints.withdraw, kv, self.app, self.replica)
-                if self.proc.poll() is None and not self._hung:  # a hung engine finishes nothing
+                if self.proc.poll() is None and not getattr(self, "_hung", None):  # a hung engine finishes nothing
                     await asyncio.sleep(2 * endpoints.REFRESH_S + 0.5)
                     # a heartbeat that was already in flight may have written the record again
                     await asyncio.to_thread(endpoints.withdraw, kv, self.app, self.replica)
-                    deadline = time.monotonic() + DRAIN_S
                     while time.monotonic() < deadline:
                         if _engine_load(await self._engine_values()) == 0:
                             break

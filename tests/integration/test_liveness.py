@@ -150,3 +150,13 @@ def test_hung_engine_is_replaced_and_its_requests_go_elsewhere(stack: Stack) -> 
     assert all(o in ("ok", "error-event") for k, o in results if k == "stream"), summary
     assert sum(o == "ok" for _, o in results) >= len(results) - 6, summary
     _wait_replicas(stack, APP, 2, 300)
+
+
+def test_the_engine_does_not_inherit_the_tenants_keys(stack: Stack) -> None:
+    """The replica has the tenants' key variables (the gateway reads them); its vLLM server not."""
+    _wait_replicas(stack, APP, 2, 300)
+    for replica in _replica_pids(APP):
+        assert "ITEST_KEY_MAIN" in psutil.Process(replica).environ(), "the drill needs the keys in the replica"
+        environ = psutil.Process(_api_server_pid(replica)).environ()
+        assert environ.get("VLLM_CPU_KVCACHE_SPACE")  # it is the engine's environment
+        assert not [k for k in environ if k.startswith("ITEST_KEY_")], replica

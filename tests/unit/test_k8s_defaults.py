@@ -221,3 +221,33 @@ def test_a_key_from_a_secret_file_with_a_trailing_newline_is_accepted(monkeypatc
     monkeypatch.setenv("RAYSTACK_TEST_KEY", "sk-from-file\n")
     auth = Authenticator({"mode": "keys", "tenants": [{"name": "t", "key_env": "RAYSTACK_TEST_KEY"}]})
     assert auth.authenticate("Bearer sk-from-file").name == "t"
+
+
+# --- draining -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_serving_pods_drain_within_one_budget(overlay: str) -> None:
+    """The stack config's shutdown budget holds on the pods: each serving worker sleeps notice_s
+    in preStop (load balancers notice), and its termination grace covers that plus Serve's
+    graceful shutdown (grace_s)."""
+    sd = load_config(REPO / "deployments" / f"{_env_of(overlay)}.yaml").shutdown
+    (rs,) = of_kind(overlay, "RayService")
+    for where, node_type, g in ray_groups(rs):
+        pod = g["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] >= sd.notice_s + sd.grace_s, where
+        if node_type == "worker":
+            (c,) = pod["containers"]
+            assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", f"{sd.notice_s:g}"], where
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_serving_workers_have_a_disruption_budget(overlay: str) -> None:
+    (rs,) = of_kind(overlay, "RayService")
+    pdbs = of_kind(overlay, "PodDisruptionBudget")
+    for where, node_type, g in ray_groups(rs):
+        covering = [p for p in pdbs if selects(p["spec"]["selector"], pod_labels(g, node_type))]
+        if node_type == "worker":
+            assert [p["spec"].get("maxUnavailable") for p in covering] == [1], where
+        else:
+            assert covering == [], f"{where}: a budget on the single head would block node drains"

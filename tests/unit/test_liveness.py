@@ -54,3 +54,19 @@ def test_failed_or_late_scrapes_start_the_period_again() -> None:
     assert _scrapes(watch, stuck, 7, 16) == []
     assert _scrapes(watch, stuck, 30, 39) == []  # 14 s without a scrape
     assert watch.observe(stuck, 40) is True
+
+
+def test_an_engine_that_looks_idle_and_still_is_gets_a_probe() -> None:
+    """Frozen gauges that say "no work" prove nothing: after stall_s / 2 without any counter
+    moving, the replica asks the engine for a token."""
+    watch = StallWatch(stall_s=10)
+    assert _scrapes(watch, lambda now: _m(running=1, gen=int(now)), 0, 10) == []
+    assert not watch.should_probe(10)  # it was busy
+    assert _scrapes(watch, _m(gen=10), 11, 14) == []  # the last token came at 10
+    assert not watch.should_probe(14)
+    watch.observe(_m(gen=10), 15)
+    assert watch.should_probe(15)  # idle and unmoved for 5 s
+    watch.observe(_m(gen=11), 17)  # the probe's token
+    assert not watch.should_probe(17)
+    watch.observe(_m(running=2, gen=11), 30)  # busy again: the stall rule judges it
+    assert not watch.should_probe(30)
