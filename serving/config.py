@@ -22,7 +22,9 @@ __all__ = [
     "DeploymentOptions",
     "EngineConfig",
     "GatewayConfig",
+    "KubernetesConfig",
     "LocalRayConfig",
+    "ShutdownConfig",
     "ModelConfig",
     "ModelVersion",
     "StackConfig",
@@ -40,6 +42,11 @@ def _check_name(v: str) -> str:
     return v
 
 
+# registry/repository, then :tag and/or @sha256:digest (at least one)
+IMAGE_RE = re.compile(
+    r"^(?P<repo>[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*)"
+    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
+)
 VERSION_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,30}$")
 
 
@@ -123,6 +130,12 @@ class DeploymentOptions(_Strict):
     cpus_per_rank: float = Field(1.0, gt=0, description="CPU reserved per TP/PP rank.")
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per rank (0 = CPU engine).")
     startup_timeout_s: float = Field(600, gt=0, description="Engine start before the replica fails.")
+    stall_timeout_s: float = Field(
+        30,
+        gt=0,
+        description="An engine holding requests that generates and prefills no token this long is hung: "
+        "its replica fails its health check and is replaced; its unanswered requests go elsewhere.",
+    )
     cold_start_timeout_s: float = Field(
         120, gt=0, description="How long a request waits for a replica of a scaled-to-zero model."
     )
@@ -359,6 +372,57 @@ class LocalRayConfig(_Strict):
     )
 
 
+class ShutdownConfig(_Strict):
+    """How replicas stop: one budget for Serve's graceful shutdown and the pods' termination grace."""
+
+    grace_s: float = Field(
+        60,
+        ge=20,
+        le=3600,
+        description="Serve's graceful_shutdown_timeout_s of every deployment: a stopping replica's whole drain "
+        "fits in it. On Kubernetes every serving pod's terminationGracePeriodSeconds is at least "
+        "notice_s + grace_s (checked by the manifest tests).",
+    )
+    notice_s: float = Field(
+        5,
+        ge=0,
+        le=60,
+        description="How long a stopping gateway replica keeps serving with readiness failed (503 on "
+        "/-/healthz, `connection: close`) before it closes its listener: the time a load balancer needs to "
+        "notice. On Kubernetes also the serving pods' preStop sleep.",
+    )
+
+    @property
+    def listener_drain_s(self) -> float:
+        """What a stopping gateway replica's listener gives its requests in flight: what is left
+        of Serve's graceful shutdown after ``notice_s``, less a margin to close its clients."""
+        return self.grace_s - self.notice_s - 5
+
+    @model_validator(mode="after")
+    def _fits(self) -> ShutdownConfig:
+        if self.notice_s + 10 > self.grace_s:
+            raise ValueError("grace_s must exceed notice_s by at least 10 s (the listener's drain)")
+        return self
+
+
+class KubernetesConfig(_Strict):
+    """What `serving render-k8s` writes into the overlay besides the Serve config."""
+
+    image: str = Field(
+        "ghcr.io/raystack/raystack-llm:0.1.0-ray2.60.0",
+        description="Image of every Ray pod (serving and training): `repo:tag`, `repo@sha256:<digest>` or "
+        "`repo:tag@sha256:<digest>`. Pin production by digest (docs/operations.md).",
+    )
+
+    @field_validator("image")
+    @classmethod
+    def _image_ref(cls, v: str) -> str:
+        m = IMAGE_RE.match(v)
+        if not m or not (m["tag"] or m["digest"]):
+            raise ValueError("image must be repo:tag, repo@sha256:<64 hex> or repo:tag@sha256:<64 hex>")
+        return v
+
+
 class StackConfig(_Strict):
     """A whole environment: gateway plus models."""
 
@@ -367,6 +431,8 @@ class StackConfig(_Strict):
     gateway: GatewayConfig = Field(GatewayConfig(), description="The OpenAI-compatible ingress.")
     auth: AuthConfig = Field(description="Required: keys and tenants, or an explicit `mode: open`.")
     local_ray: LocalRayConfig = Field(LocalRayConfig(), description="Only for `serving up`.")
+    shutdown: ShutdownConfig = Field(ShutdownConfig(), description="Draining budget of stopping replicas.")
+    kubernetes: KubernetesConfig = Field(KubernetesConfig(), description="Only for `serving render-k8s`.")
     models: list[ModelConfig] = Field(min_length=1, description="Models served at the same time.")
 
     @model_validator(mode="after")

@@ -4,9 +4,11 @@ A model replica runs vLLM's OpenAI server on a private port guarded by a per-rep
 tells gateways where that server is in two ways, and both carry the types defined here:
 
 - **Published endpoint records** in Ray's GCS key-value store, under ``ep/<app>/<replica>`` in
-  namespace ``raystack``: URL and token, refreshed every ``HEARTBEAT_S`` while the engine runs and
-  deleted when the replica drains. Gateways read them every ``REFRESH_S`` and pick a replica with
-  no Ray call per request (:mod:`serving.gateway.replicas`).
+  namespace ``raystack``: URL, token, a heartbeat sequence number and a state (``up``, or
+  ``hung`` when the replica found its engine making no progress), re-published every
+  ``HEARTBEAT_S`` while the engine runs and deleted when the replica drains. Gateways read them
+  every ``REFRESH_S`` and pick a replica with no Ray call per request
+  (:mod:`serving.gateway.replicas`).
 - **A lease**: the model replica's streaming Serve method ``lease(hint)`` yields its
   :class:`Endpoint` and stays open while the request runs. :class:`LeaseHint` is what Serve's
   request routers may look at.
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,10 +28,12 @@ logger = logging.getLogger("serving.contract")
 
 __all__ = [
     "HEARTBEAT_S",
+    "HUNG",
     "KV",
     "NAMESPACE",
     "REFRESH_S",
     "RUNNING_REQUESTS_KEY",
+    "UP",
     "Endpoint",
     "LeaseHint",
     "RayKV",
@@ -44,6 +47,7 @@ NAMESPACE = "raystack"
 PREFIX = "ep/"
 HEARTBEAT_S = 2.0  # a model replica re-publishes its record this often
 REFRESH_S = 1.0  # a gateway re-reads all records this often
+UP, HUNG = "up", "hung"
 
 try:  # the key Serve's default autoscaling policy reads from a replica's report
     from ray.serve._private.common import RUNNING_REQUESTS_KEY
@@ -105,22 +109,23 @@ class RayKV:
 
 @dataclass(frozen=True)
 class Record:
-    """One published endpoint: ``ts`` is the publisher's wall clock at the put."""
+    """One replica's endpoint. ``seq`` counts its heartbeats (only a change matters to readers);
+    ``state`` is ``up``, or ``hung`` when the replica found its engine making no progress."""
 
     app: str
     replica: str
     url: str
     token: str
-    ts: float
+    seq: int
+    state: str = UP
 
 
 def _key(app: str, replica: str) -> str:
     return f"{PREFIX}{app}/{replica}"
 
 
-def publish(kv: KV, app: str, replica: str, url: str, token: str, now: float | None = None) -> None:
-    ts = time.time() if now is None else now
-    kv.put(_key(app, replica), json.dumps({"url": url, "token": token, "ts": ts}).encode())
+def publish(kv: KV, app: str, replica: str, url: str, token: str, seq: int, state: str = UP) -> None:
+    kv.put(_key(app, replica), json.dumps({"url": url, "token": token, "seq": seq, "state": state}).encode())
 
 
 def withdraw(kv: KV, app: str, replica: str) -> None:
@@ -133,7 +138,7 @@ def read_records(kv: KV) -> list[Record]:
         app, _, replica = key.removeprefix(PREFIX).partition("/")
         try:
             v = json.loads(raw)
-            out.append(Record(app, replica, str(v["url"]), str(v["token"]), float(v["ts"])))
+            out.append(Record(app, replica, str(v["url"]), str(v["token"]), int(v["seq"]), str(v.get("state", UP))))
         except (ValueError, KeyError, TypeError):
             logger.warning("ignoring an unreadable endpoint record %s", key)
     return out

@@ -85,7 +85,8 @@ class EngineMetrics:
 
     def set(self, values: dict[str, float], tags: dict[str, str]) -> None:
         for name, value in values.items():
-            self.gauges[self.FIELDS[name]].set(value, tags=tags)
+            if name in self.FIELDS:  # the scrape carries more (progress counters) than is exported
+                self.gauges[self.FIELDS[name]].set(value, tags=tags)
 
 
 def samples(

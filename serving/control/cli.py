@@ -210,7 +210,8 @@ def render_k8s(
     env: str | None = typer.Option(None, "--env", help="Only this overlay (default: all)."),
     check: bool = typer.Option(False, "--check", help="Exit 1 if a generated file is stale."),
 ) -> None:
-    """Render serveConfigV2 of deployments/<env>.yaml into k8s/overlays/<env>/serve-config.yaml."""
+    """Render deployments/<env>.yaml into k8s/overlays/<env>/: serve-config.yaml (serveConfigV2) and
+    image.yaml (kubernetes.image)."""
     from serving.control.k8s import K8sError, stale_k8s, write_k8s
 
     try:

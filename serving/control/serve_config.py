@@ -90,7 +90,7 @@ def _autoscaling(a: AutoscalingConfig) -> dict[str, Any]:
     }
 
 
-def _model_deployment(m: ModelConfig, name: str) -> dict[str, Any]:
+def _model_deployment(m: ModelConfig, name: str, grace_s: float) -> dict[str, Any]:
     d = m.deployment
     out: dict[str, Any] = {
         "name": name,
@@ -99,7 +99,7 @@ def _model_deployment(m: ModelConfig, name: str) -> dict[str, Any]:
         "health_check_period_s": 2,
         "health_check_timeout_s": 10,
         "graceful_shutdown_wait_loop_s": 1,
-        "graceful_shutdown_timeout_s": 60,
+        "graceful_shutdown_timeout_s": grace_s,
         **_placement(m),
     }
     if d.autoscaling is not None:
@@ -123,13 +123,16 @@ def _model_application(cfg: StackConfig, m: ModelConfig, v: ModelVersion, base: 
         gpus_per_rank=m.deployment.gpus_per_rank,
         cpus_per_rank=m.deployment.cpus_per_rank,
         startup_timeout_s=m.deployment.startup_timeout_s,
+        stall_timeout_s=m.deployment.stall_timeout_s,
+        shutdown_grace_s=cfg.shutdown.grace_s,
+        secret_env=sorted({t.key_env for t in cfg.auth.tenants if t.key_env}),
     )
     return {
         "name": name,
         "route_prefix": None,
         "import_path": "serving.replica.server:build_model_server",
         "args": {"name": name, "spec": spec.model_dump(mode="json")},
-        "deployments": [_model_deployment(m, name)],
+        "deployments": [_model_deployment(m, name, cfg.shutdown.grace_s)],
     }
 
 
@@ -139,13 +142,13 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
     ``base`` resolves relative checkpoint paths (the config file's folder); on Kubernetes the
     checkpoint root is absolute or a URI, and ``base`` is None.
     """
-    g = cfg.gateway
+    g, sd = cfg.gateway, cfg.shutdown
     gateway = {
         "name": GATEWAY_APP,
         "route_prefix": "/",
         "import_path": "serving.gateway.deployment:build_gateway",
         # the gateway's own config, validated again on the replica (GatewayConfig.model_validate)
-        "args": {"config": g.model_dump(mode="json")},
+        "args": {"config": g.model_dump(mode="json"), "shutdown": sd.model_dump(mode="json")},
         "deployments": [
             {
                 "name": "Gateway",
@@ -157,7 +160,7 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
                 "max_ongoing_requests": 1000,
                 "ray_actor_options": {"num_cpus": g.num_cpus},
                 "user_config": routing_user_config(cfg),
-                "graceful_shutdown_timeout_s": 60,
+                "graceful_shutdown_timeout_s": sd.grace_s,
                 # a restarted gateway replica (new code or settings) starts before the old one
                 # stops: the port always has a listener, even with one replica
                 "max_surge_percent": 100,

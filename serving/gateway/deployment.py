@@ -8,7 +8,7 @@ from typing import Any
 
 from ray import serve
 
-from serving.config import GatewayConfig
+from serving.config import GatewayConfig, ShutdownConfig
 from serving.contract import RUNNING_REQUESTS_KEY
 from serving.gateway.core import GatewayCore
 from serving.gateway.replicas import ReplicaFinder
@@ -21,18 +21,19 @@ __all__ = ["Gateway", "build_gateway"]
 
 @serve.ingress()
 class Gateway:
-    """Ingress deployment. ``config`` (the stack's ``GatewayConfig`` as JSON) is the init arg;
-    the routing table is the ``user_config``
-    so promotions and weight changes are applied in place (``reconfigure``), with no restart.
+    """Ingress deployment. ``config`` and ``shutdown`` (the stack's ``GatewayConfig`` and
+    ``ShutdownConfig`` as JSON) are the init args; the routing table is the ``user_config``, so
+    promotions and weight changes are applied in place (``reconfigure``), with no restart.
 
-    With ``listen`` (``gateway.ingress: listener``, the default) the replica serves the OpenAI API on
-    that address itself (:mod:`serving.gateway.listener`); Serve's proxy still serves the same app on
+    With ``gateway.ingress: listener`` (the default) the replica serves the OpenAI API on its
+    address itself (:mod:`serving.gateway.listener`); Serve's proxy still serves the same app on
     its own port. Without it, Serve's proxy is the only way in (``ingress: serve_proxy``)."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], shutdown: dict[str, Any]) -> None:
         from serving.metrics import GatewayMetrics
 
         cfg = GatewayConfig.model_validate(config)
+        stop = ShutdownConfig.model_validate(shutdown)
         replica = str(serve.get_replica_context().replica_tag)
         self.leases = ReplicaFinder(direct=cfg.replica_routing == "direct")
         # behind Serve's proxy, the proxy sets x-request-id; the listener sets it itself
@@ -50,6 +51,8 @@ class Gateway:
                 header_timeout_s=cfg.header_timeout_s,
                 body_timeout_s=cfg.body_timeout_s,
                 max_connections=cfg.max_client_connections,
+                notice_s=stop.notice_s,
+                drain_s=stop.listener_drain_s,
             )
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -66,9 +69,12 @@ class Gateway:
         return {RUNNING_REQUESTS_KEY: float(self._listener.in_flight)}
 
     async def __del__(self) -> None:
-        self.leases.stop()
+        """Serve stops this replica: fail readiness, give the load balancer ``notice_s``, close the
+        listener and let its requests finish (:meth:`Listener.stop`); only then stop reading
+        model endpoints and close the upstream clients the requests used."""
         if self._listener is not None:
             await self._listener.stop()
+        self.leases.stop()
         await self.core.aclose()
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -77,4 +83,4 @@ class Gateway:
 
 def build_gateway(args: dict[str, Any]) -> Any:
     """Serve application builder (``import_path: serving.gateway.deployment:build_gateway``)."""
-    return serve.deployment(name="Gateway")(Gateway).bind(args["config"])
+    return serve.deployment(name="Gateway")(Gateway).bind(args["config"], args["shutdown"])

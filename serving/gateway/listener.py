@@ -8,6 +8,12 @@ process between vLLM and the client. All replicas on a node bind the same port w
 ``SO_REUSEPORT`` and the kernel spreads connections over them; Serve's proxy stays up on an
 internal port for its own health checks.
 
+Stopping is ordered (:meth:`Listener.stop`): first the readiness paths (``/-/healthz``,
+the path KubeRay's probe asks, and ``/ready``) answer 503 and every response carries
+``connection: close``, so a load balancer takes the replica out and keep-alive clients reconnect
+(to the other replicas on the port); after ``notice_s`` the listener closes, lets the requests in
+progress finish within ``drain_s``, and stops.
+
 A request the listener serves is invisible to Serve's request counting, so the replica reports its
 in-flight count to the autoscaler itself (:meth:`Listener.in_flight`, see
 ``Gateway.record_autoscaling_stats``).
@@ -119,12 +125,17 @@ def bind_shared(host: str, port: int) -> socket.socket:
     return sock
 
 
+READINESS_PATHS = frozenset({"/-/healthz", "/ready"})
+
+
 class _Counted:
-    """ASGI wrapper counting HTTP requests in progress (the autoscaling signal)."""
+    """ASGI wrapper counting HTTP requests in progress (the autoscaling signal); once
+    ``draining``, readiness fails and every response asks the client to close its connection."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self.in_flight = 0
+        self.draining = False
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -132,9 +143,30 @@ class _Counted:
             return
         self.in_flight += 1
         try:
-            await self.app(scope, receive, send)
+            if self.draining and scope["path"] in READINESS_PATHS:
+                await _not_ready(send)
+                return
+            await self.app(scope, receive, self._closing_when_draining(send))
         finally:
             self.in_flight -= 1
+
+    def _closing_when_draining(self, send: Any) -> Any:
+        """``send`` that adds ``connection: close`` to a response that starts while draining."""
+
+        async def wrapped(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and self.draining:
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        return wrapped
+
+
+async def _not_ready(send: Any) -> None:
+    body = b'{"status":"draining"}'
+    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 class Listener:
@@ -150,8 +182,9 @@ class Listener:
         header_timeout_s: float = 10.0,
         body_timeout_s: float = 30.0,
         max_connections: int = 4096,
+        notice_s: float = 0.0,
     ) -> None:
-        self.host, self.port = host, port
+        self.host, self.port, self.notice_s = host, port, notice_s
         self._app = _Counted(app)
         config = uvicorn.Config(
             self._app,
@@ -192,10 +225,20 @@ class Listener:
             await asyncio.sleep(0.05)
         logger.info("gateway listening on %s:%d (SO_REUSEPORT)", self.host, self.port)
 
+    @property
+    def draining(self) -> bool:
+        return self._app.draining
+
     async def stop(self) -> None:
-        """Stop accepting, let requests in progress finish (bounded by ``drain_s``), close."""
+        """Fail readiness and close connections after their response for ``notice_s`` (the load
+        balancer notices), then stop accepting, let requests in progress finish (bounded by
+        ``drain_s``), close."""
         if self._task is None:
             return
+        self._app.draining = True
+        if self.notice_s > 0:
+            logger.info("gateway listener draining: readiness fails for %.0fs before it closes", self.notice_s)
+            await asyncio.sleep(self.notice_s)
         self._server.should_exit = True
         try:
             await self._task

@@ -12,11 +12,16 @@ Every way of getting a replica ends in a :class:`Lease` (URL, token, a ``died`` 
   (prefix or session affinity), for an app with no known endpoint (cold, scaled to zero), when the
   picked replicas are at their limit, and for every request under ``replica_routing: serve``.
 
-:class:`ReplicaFinder` chooses between the two. A record whose heartbeat is older than ``STALE_S``
-belongs to a replica that died without withdrawing (its node or process is gone): it is dropped,
-and requests still streaming from it are told (``died``), as Ray tells a lease call whose actor
-died; after ``PURGE_S`` a gateway deletes it. A replica that fails a request is skipped for
-``FAILED_S``.
+:class:`ReplicaFinder` chooses between the two. Each heartbeat bumps a record's sequence number.
+A gateway judges a record by when it last saw it change, on its own monotonic clock (no wall
+clocks compared across nodes), and only counts time during which it could read the store: a
+paused or slow GCS stalls both the heartbeats and the reads, and is no sign that a replica died.
+A record unchanged for ``STALE_S`` of readable time belongs to a replica that died without
+withdrawing (its node or process is gone); a record marked ``hung`` belongs to a replica whose
+engine stopped making progress (:mod:`serving.replica.server`). Either is dropped, and the
+requests still on it are told (``died``), as Ray tells a lease call whose actor died: those
+without a first byte are retried elsewhere. After ``PURGE_S`` unchanged a gateway deletes the
+record. A replica that fails a request is skipped for ``FAILED_S``.
 """
 
 from __future__ import annotations
@@ -32,13 +37,14 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from serving.contract import KV, REFRESH_S, Endpoint, LeaseHint, RayKV, Record, read_records, withdraw
+from serving.contract import KV, REFRESH_S, UP, Endpoint, LeaseHint, RayKV, Record, read_records, withdraw
 from serving.errors import unavailable
 
 logger = logging.getLogger("serving.gateway")
 
 __all__ = [
     "FAILED_S",
+    "MAX_GAP_S",
     "PURGE_S",
     "STALE_S",
     "DirectLease",
@@ -51,7 +57,8 @@ __all__ = [
 ]
 
 STALE_S = 10.0
-PURGE_S = 60.0  # records this old are deleted by any gateway (their replica was killed)
+MAX_GAP_S = 3.0  # reads further apart than this: the store was unreadable meanwhile
+PURGE_S = 60.0  # records unchanged this long are deleted by any gateway (their replica was killed)
 FAILED_S = 5.0
 
 
@@ -95,35 +102,76 @@ class DirectLease:
 
 
 class EndpointTable:
-    """One gateway replica's view of the live model replicas, and its requests on each."""
+    """One gateway replica's view of the live model replicas, and its requests on each.
 
-    def __init__(self, stale_s: float = STALE_S, failed_s: float = FAILED_S, rng: random.Random | None = None) -> None:
-        self.stale_s, self.failed_s = stale_s, failed_s
+    Staleness is judged on this gateway's own monotonic clock: a record is stale when this
+    gateway has not seen it change for ``stale_s`` while it could read the store. After a failed
+    read, or reads further apart than ``max_gap_s`` (the store was paused or slow), the quiet time
+    of every record starts again at the next good read, so nothing is declared stale until the
+    store has been readable for a full ``stale_s``."""
+
+    def __init__(
+        self,
+        stale_s: float = STALE_S,
+        failed_s: float = FAILED_S,
+        rng: random.Random | None = None,
+        max_gap_s: float = MAX_GAP_S,
+    ) -> None:
+        self.stale_s, self.failed_s, self.max_gap_s = stale_s, failed_s, max_gap_s
         self._rng = rng or random.Random()
         self._by_app: dict[str, dict[str, Record]] = {}
         self._leases: dict[str, set[DirectLease]] = {}  # open leases per replica: its in-flight count
         self._failed_until: dict[str, float] = {}
         self._stale: set[str] = set()
+        self._changed: dict[tuple[str, str], tuple[int, float]] = {}  # (app, replica) -> (seq, seen at)
+        self._readable_since: float | None = None  # good reads without a gap since then
+        self._last_read: float | None = None
         self.loaded = False  # records were read at least once
 
+    def read_failed(self) -> None:
+        """Reading the store failed: until it has been read again for ``stale_s``, nothing is stale."""
+        self._readable_since = None
+
+    def quiet_s(self, app: str, replica: str, now: float) -> float:
+        """How long this gateway has seen the record unchanged while the store was readable."""
+        seen = self._changed.get((app, replica))
+        if seen is None or self._readable_since is None:
+            return 0.0
+        return now - max(seen[1], self._readable_since)
+
     def update(self, records: list[Record], now: float | None = None) -> list[str]:
-        """Replace the view; returns the replicas whose heartbeat went stale since the last update
-        (their in-flight requests are told ``died``). A withdrawn record (a draining replica) only
-        stops new picks."""
-        now = time.time() if now is None else now
-        fresh: dict[str, dict[str, Record]] = {}
-        stale = []
+        """Replace the view with a fresh read; returns the replicas newly found dead: stale (no
+        heartbeat seen) or marked ``hung``. Their in-flight requests are told ``died``. A
+        withdrawn record (a draining replica) only stops new picks."""
+        now = time.monotonic() if now is None else now
+        gap = self._last_read is not None and now - self._last_read > self.max_gap_s
+        if self._readable_since is None or gap:
+            self._readable_since = now
+        self._last_read = now
+        changed: dict[tuple[str, str], tuple[int, float]] = {}
         for r in records:
-            if now - r.ts > self.stale_s:
-                stale.append(r.replica)
+            prev = self._changed.get((r.app, r.replica))
+            changed[(r.app, r.replica)] = (r.seq, prev[1] if prev is not None and prev[0] == r.seq else now)
+        self._changed = changed
+        fresh: dict[str, dict[str, Record]] = {}
+        dead = []
+        for r in records:
+            if r.state != UP or self.quiet_s(r.app, r.replica, now) > self.stale_s:
+                dead.append(r.replica)
             else:
                 fresh.setdefault(r.app, {})[r.replica] = r
-        for replica in stale:
+        for replica in dead:
             for lease in self._leases.get(replica, ()):
                 lease.died.set()
-        newly = [r for r in stale if r not in self._stale]
-        self._by_app, self._stale, self.loaded = fresh, set(stale), True
+        newly = [r for r in dead if r not in self._stale]
+        self._by_app, self._stale, self.loaded = fresh, set(dead), True
         return newly
+
+    def expired(self, now: float | None = None) -> list[tuple[str, str]]:
+        """(app, replica) of records unchanged for ``PURGE_S`` of readable time: their replica was
+        killed without withdrawing, and any gateway deletes them."""
+        now = time.monotonic() if now is None else now
+        return [key for key in self._changed if self.quiet_s(*key, now) > PURGE_S]
 
     def pick(self, app: str, limit: int = 0, now: float | None = None) -> DirectLease | None:
         """Power of two choices over ``app``'s live replicas by this gateway's in-flight counts;
@@ -154,19 +202,17 @@ class EndpointTable:
             self._failed_until[lease.replica] = time.monotonic() + self.failed_s
 
     async def refresh_forever(self, kv: KV, period_s: float = REFRESH_S) -> None:
-        """Gateway background task: re-read the records every ``period_s``; delete records older
-        than ``PURGE_S`` (a replica killed outright never withdraws its own)."""
+        """Gateway background task: re-read the records every ``period_s``; delete the expired."""
         while True:
             try:
                 records = await asyncio.to_thread(read_records, kv)
-                stale = self.update(records)
-                if stale:
-                    logger.warning("model replicas without heartbeat (dropped): %s", stale)
-                now = time.time()
-                for r in records:
-                    if now - r.ts > PURGE_S:
-                        await asyncio.to_thread(withdraw, kv, r.app, r.replica)
+                dead = self.update(records)
+                if dead:
+                    logger.warning("model replicas without heartbeat or hung (dropped): %s", dead)
+                for app, replica in self.expired():
+                    await asyncio.to_thread(withdraw, kv, app, replica)
             except Exception as exc:  # noqa: BLE001 - keep the last view; Serve's leases still work
+                self.read_failed()
                 logger.warning("reading model endpoints failed: %s", exc)
             await asyncio.sleep(period_s)
 

@@ -17,6 +17,8 @@ __all__ = [
     "VLLM_SERVER_MODULE",
     "EngineSpec",
     "check_layout",
+    "engine_args",
+    "engine_environ",
     "single_process",
     "vllm_command",
     "vllm_env",
@@ -49,6 +51,9 @@ class EngineSpec(BaseModel):
     gpus_per_rank: float = 0.0
     cpus_per_rank: float = 1.0
     startup_timeout_s: float = 600
+    stall_timeout_s: float = 30
+    shutdown_grace_s: float = 60  # Serve's graceful_shutdown_timeout_s: the replica's drain fits in it
+    secret_env: list[str] = []  # variables the engine must not inherit (the tenants' key_env)
 
     @property
     def world_size(self) -> int:
@@ -136,6 +141,15 @@ def vllm_command(spec: EngineSpec, host: str, port: int) -> list[str]:
         else:
             args += [_flag(key), str(value)]
     return args
+
+
+def engine_environ(
+    environ: dict[str, str], spec: EngineSpec, cores: list[int] | None = None, token: str | None = None
+) -> dict[str, str]:
+    """The engine process's whole environment: the replica's, less ``spec.secret_env`` (API keys
+    of the gateway's tenants, which a pod gets from its Secret), plus :func:`vllm_env`."""
+    hidden = set(spec.secret_env)
+    return {**{k: v for k, v in environ.items() if k not in hidden}, **vllm_env(spec, cores, token)}
 
 
 def vllm_env(spec: EngineSpec, cores: list[int] | None = None, token: str | None = None) -> dict[str, str]:

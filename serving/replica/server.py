@@ -35,13 +35,14 @@ import httpx
 
 from serving import contract
 from serving.contract import RUNNING_REQUESTS_KEY, Endpoint, LeaseHint
-from serving.replica.engine import EngineSpec, single_process, vllm_command, vllm_env
+from serving.replica.engine import EngineSpec, engine_environ, single_process, vllm_command
+from serving.replica.liveness import PROGRESS_COUNTERS, StallWatch
 from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid
 from serving.waiting import poll
 
 logger = logging.getLogger("ray.serve")
 
-DRAIN_S = 50.0  # within the model deployment's graceful_shutdown_timeout_s (60, serving/control/serve_config.py)
+ENGINE_STOP_S = 10.0  # SIGTERM to SIGKILL when vLLM is stopped
 
 __all__ = ["ModelServer", "build_model_server", "free_port"]
 
@@ -149,7 +150,7 @@ class ModelServer:
         self.replica, self.app = _replica_tag()
         self.endpoint = Endpoint(f"http://{self.host}:{self.port}", self.token, self.replica)
         self.cores = _engine_cores(self.spec)
-        env = {**os.environ, **vllm_env(self.spec, self.cores, self.token)}
+        env = engine_environ(dict(os.environ), self.spec, self.cores, self.token)
         gpus = _placement_group_gpus(self.spec)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus
@@ -164,7 +165,11 @@ class ModelServer:
         engine_pid = engine_core_pid(self.proc.pid) if pin else None
         self._pinning = EnginePinning(self.proc.pid, engine_pid, self.cores) if engine_pid and self.cores else None
         self._pin()
-        self._background_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._seq = 0  # heartbeats published
+        self._stall = StallWatch(self.spec.stall_timeout_s)
+        self._hung: str | None = None  # why the engine is taken for hung (then never cleared)
+        self._probe: asyncio.Task[None] | None = None
         self._load = 0.0  # the engine's running + waiting requests, read every second
         self._draining = False
         self._kv: contract.KV | None = None
@@ -198,17 +203,19 @@ class ModelServer:
 
     def _publish(self) -> None:
         if self._kv is not None and self.app is not None and not self._draining and self.proc.poll() is None:
-            contract.publish(self._kv, self.app, self.replica, self.endpoint.url, self.endpoint.token)
+            self._seq += 1
+            state = contract.HUNG if self._hung else contract.UP
+            contract.publish(self._kv, self.app, self.replica, self.endpoint.url, self.endpoint.token, self._seq, state)
 
     async def _engine_values(self) -> dict[str, float]:
         from serving.metrics import EngineMetrics, parse_prometheus_values
 
         resp = await self._client.get(f"{self.endpoint.url}/metrics")
-        return parse_prometheus_values(resp.text, set(EngineMetrics.FIELDS))
+        return parse_prometheus_values(resp.text, {*EngineMetrics.FIELDS, *PROGRESS_COUNTERS})
 
-    async def _background(self) -> None:
-        """Every second: the engine's load (for autoscaling and draining); every 2 s the endpoint
-        heartbeat; every 5 s the engine gauges into Ray's metrics."""
+    async def _scrape_forever(self) -> None:
+        """Every second: the engine's load (for autoscaling and draining); every 5 s the engine
+        gauges into Ray's metrics. A slow or failed scrape delays only this loop."""
         from serving.metrics import EngineMetrics
 
         metrics = EngineMetrics()
@@ -220,20 +227,64 @@ class ModelServer:
                 self._load = _engine_load(values)
                 if tick % 5 == 0:
                     metrics.set(values, tags)
+                now = time.monotonic()
+                if self._hung is None and self._stall.observe(values, now):
+                    await self._mark_hung()
+                elif self._hung is None and self._probe is None and self._stall.should_probe(now):
+                    self._probe = asyncio.get_running_loop().create_task(self._probe_engine())
             except httpx.HTTPError:
-                pass
-            if tick % int(contract.HEARTBEAT_S) == 0:
+                self._stall.reset()  # no evidence either way
+            except Exception:  # noqa: BLE001 - a bug here must not end the loop silently
+                logger.exception("engine scrape failed")
+                self._stall.reset()
+            if tick % 2 == 0:
                 self._pin()
-                try:
-                    await asyncio.to_thread(self._publish)
-                except Exception as exc:  # noqa: BLE001 - gateways drop the record when it goes stale
-                    logger.warning("endpoint heartbeat failed: %s", exc)
             tick += 1
             await asyncio.sleep(1)
 
+    async def _probe_engine(self) -> None:
+        """One token from the engine; no answer within ``stall_timeout_s`` while the server
+        still answers /health means the engine is hung (:mod:`serving.replica.liveness`)."""
+        body = {"model": self.spec.model, "prompt": [0], "max_tokens": 1}
+        try:
+            await self._client.post(f"{self.endpoint.url}/v1/completions", json=body, timeout=self.spec.stall_timeout_s)
+        except httpx.TimeoutException:
+            try:
+                healthy = (await self._client.get(f"{self.endpoint.url}/health", timeout=2.0)).status_code == 200
+            except httpx.HTTPError:
+                healthy = False  # the server itself is stuck: Serve's health check judges that
+            if healthy and self._hung is None:
+                await self._mark_hung()
+        except httpx.HTTPError:
+            pass  # the engine answered, or the server is going away
+        finally:
+            self._probe = None
+
+    async def _mark_hung(self) -> None:
+        """The engine holds requests and has produced no token for ``stall_timeout_s``: fail the
+        health check (Serve replaces the replica) and mark the endpoint record ``hung``, so the
+        gateways stop picking it and retry its unanswered requests elsewhere."""
+        self._hung = f"vLLM engine hung: no token generated or prefilled for {self.spec.stall_timeout_s:.0f}s"
+        logger.error("%s (replica %s)", self._hung, self.replica)
+        try:
+            await asyncio.to_thread(self._publish)
+        except Exception as exc:  # noqa: BLE001 - the failing health check still replaces it
+            logger.warning("cannot mark the endpoint hung: %s", exc)
+
+    async def _heartbeat_forever(self) -> None:
+        """Every ``HEARTBEAT_S``: publish the endpoint record with the next sequence number, on its
+        own task so that nothing but the store itself can delay it."""
+        while True:
+            try:
+                await asyncio.to_thread(self._publish)
+            except Exception as exc:  # noqa: BLE001 - gateways drop the record when it stays unchanged
+                logger.warning("endpoint heartbeat failed: %s", exc)
+            await asyncio.sleep(contract.HEARTBEAT_S)
+
     def _ensure_background(self) -> None:
-        if self._background_task is None:
-            self._background_task = asyncio.get_running_loop().create_task(self._background())
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._scrape_forever()), loop.create_task(self._heartbeat_forever())]
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The engine's running + waiting requests: with direct routing Serve does not see the
@@ -261,6 +312,8 @@ class ModelServer:
         """Yield this replica's endpoint, then hold the lease open until the caller cancels."""
         if self.proc.poll() is not None:
             raise RuntimeError("vLLM engine process is not running")
+        if self._hung:
+            raise RuntimeError(self._hung)
         self._ensure_background()
         yield self.endpoint
         await asyncio.Event().wait()  # released by cancellation from the gateway
@@ -269,19 +322,28 @@ class ModelServer:
         return self.proc.poll() is None
 
     async def check_health(self) -> None:
-        """Serve's health check: the engine process must live and answer /health."""
+        """Serve's health check: the engine process must live, answer /health, and make progress
+        when it has work (:mod:`serving.replica.liveness`)."""
         self._ensure_background()
         if self.proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with code {self.proc.returncode}")
+        if self._hung:
+            raise RuntimeError(self._hung)
         resp = await self._client.get(f"{self.endpoint.url}/health")
         if resp.status_code != 200:
             raise RuntimeError(f"vLLM /health answered {resp.status_code}")
 
     def _stop(self) -> None:
+        if self.proc.poll() is None and getattr(self, "_hung", None):
+            try:  # a stopped or stuck engine would not act on SIGTERM
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=ENGINE_STOP_S)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 try:
                     os.killpg(self.proc.pid, signal.SIGKILL)
@@ -291,20 +353,20 @@ class ModelServer:
     async def __del__(self) -> None:
         """Serve stops this replica (scale-down, promotion, shutdown): withdraw the endpoint, give
         the gateways time to stop picking it, let the requests they already sent finish (within
-        the deployment's graceful_shutdown_timeout_s), then stop vLLM."""
+        the deployment's graceful_shutdown_timeout_s, less the time to stop vLLM), then stop vLLM."""
+        deadline = time.monotonic() + self.spec.shutdown_grace_s - ENGINE_STOP_S - 2
         self._draining = True  # no heartbeat re-publishes the record from here on
-        task: asyncio.Task[None] | None = getattr(self, "_background_task", None)
-        if task is not None:
+        tasks: list[asyncio.Task[None]] = getattr(self, "_tasks", [])
+        for task in tasks:
             task.cancel()
         kv, app = getattr(self, "_kv", None), getattr(self, "app", None)
         if kv is not None and app is not None:
             try:
                 await asyncio.to_thread(contract.withdraw, kv, app, self.replica)
-                if self.proc.poll() is None:
+                if self.proc.poll() is None and not getattr(self, "_hung", None):  # a hung engine finishes nothing
                     await asyncio.sleep(2 * contract.REFRESH_S + 0.5)
                     # a heartbeat that was already in flight may have written the record again
                     await asyncio.to_thread(contract.withdraw, kv, app, self.replica)
-                    deadline = time.monotonic() + DRAIN_S
                     while time.monotonic() < deadline:
                         if _engine_load(await self._engine_values()) == 0:
                             break

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from serving.config import ConfigError, parse_config
+from serving.config import ConfigError, ShutdownConfig, parse_config
 from serving.control.serve_config import build_serve_config
 from serving.gateway.listener import Listener, bind_shared
 from serving.replica.server import free_port
@@ -99,6 +99,7 @@ def test_direct_ingress_is_the_default_and_moves_serves_proxy_aside() -> None:
     assert (gateway["ingress"], gateway["host"], gateway["port"]) == ("listener", "127.0.0.1", 9100)
     limits = ("keep_alive_s", "header_timeout_s", "body_timeout_s", "max_client_connections")
     assert [gateway[k] for k in limits] == [60, 10.0, 30.0, 4096]
+    assert sc["applications"][0]["args"]["shutdown"] == {"grace_s": 60, "notice_s": 5}
     assert sc["http_options"]["port"] == 9101
     sc = build_serve_config(
         parse_config({"auth": {"mode": "open"}, "models": [MODEL], "gateway": {"port": 9100, "proxy_port": 9200}})
@@ -170,3 +171,56 @@ async def test_a_cold_model_that_does_not_start_in_time_is_a_503_with_retry_afte
     assert err.value.status == 503 and err.value.headers == {"retry-after": "5"}
     assert "No replica of 'cold--v1' became available in 0s" in str(err.value)
     assert cancelled == [True]
+
+
+async def test_a_stopping_listener_fails_readiness_first_then_drains_then_closes() -> None:
+    """The order a load balancer needs: readiness fails while the listener still serves (and asks
+    clients to reconnect elsewhere), then it stops accepting, finishes what runs, and closes."""
+    gate = asyncio.Event()
+    app = _app("a", gate)
+
+    @app.get("/-/healthz")
+    async def healthz() -> str:
+        return "success"
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    lis = Listener(app, "127.0.0.1", port, drain_s=10, notice_s=1.0)
+    await lis.start()
+    async with httpx.AsyncClient(timeout=20) as c:
+        assert (await c.get(f"{url}/-/healthz")).status_code == 200
+        running = asyncio.ensure_future(c.get(f"{url}/who"))
+        for _ in range(100):
+            if lis.in_flight == 1:
+                break
+            await asyncio.sleep(0.02)
+        stopping = asyncio.ensure_future(lis.stop())
+        await asyncio.sleep(0.2)
+        # 1. readiness fails at once, but the listener still accepts and serves
+        ready = await c.get(f"{url}/-/healthz")
+        assert ready.status_code == 503 and ready.headers["connection"] == "close"
+        gate.set()
+        answered = await running
+        assert answered.json() == {"name": "a"} and answered.headers["connection"] == "close"
+        gate.clear()
+        late = asyncio.ensure_future(c.get(f"{url}/who"))  # arrives during the notice period
+        await asyncio.sleep(1.2)  # 2. the notice is over: no new connection is accepted
+        with pytest.raises(httpx.ConnectError):
+            await c.get(f"{url}/who", headers={"connection": "close"})
+        assert not stopping.done()  # 3. the request in progress still runs
+        gate.set()
+        assert (await late).json() == {"name": "a"}
+        await stopping  # 4. closed
+    assert lis.in_flight == 0
+
+
+def test_one_shutdown_budget_for_every_deployment() -> None:
+    cfg = parse_config({"auth": {"mode": "open"}, "models": [MODEL], "shutdown": {"grace_s": 45, "notice_s": 4}})
+    sc = build_serve_config(cfg)
+    gateway, model = sc["applications"]
+    assert [d["graceful_shutdown_timeout_s"] for a in sc["applications"] for d in a["deployments"]] == [45, 45]
+    shutdown = ShutdownConfig.model_validate(gateway["args"]["shutdown"])
+    assert shutdown.notice_s == 4 and shutdown.notice_s + shutdown.listener_drain_s < 45
+    assert model["args"]["spec"]["shutdown_grace_s"] == 45
+    with pytest.raises(ConfigError, match="grace_s must exceed notice_s"):
+        parse_config({"auth": {"mode": "open"}, "models": [MODEL], "shutdown": {"grace_s": 20, "notice_s": 15}})

@@ -260,7 +260,8 @@ def test_serve_config_v2_is_a_valid_ray_serve_config(env: str) -> None:
 def test_generated_files_are_up_to_date() -> None:
     stale = stale_k8s(REPO)
     assert stale == [], f"stale generated files {stale}: run `serving render-k8s` and commit them"
-    assert set(render_overlays(REPO)) == {OVERLAYS_DIR / e / "serve-config.yaml" for e in ENVS}
+    generated = {OVERLAYS_DIR / e / f for e in ENVS for f in ("serve-config.yaml", "image.yaml")}
+    assert set(render_overlays(REPO)) == generated
 
 
 def _scratch_repo(tmp_path: Path, env: str = "gpu-prod") -> Path:
@@ -274,12 +275,14 @@ def _scratch_repo(tmp_path: Path, env: str = "gpu-prod") -> Path:
 def test_write_k8s_writes_and_reports_the_generated_files(tmp_path: Path) -> None:
     root = _scratch_repo(tmp_path)
     target = root / "k8s" / "overlays" / "gpu-prod" / "serve-config.yaml"
-    assert stale_k8s(root) == [target]
-    assert write_k8s(root) == [target]
+    image = target.with_name("image.yaml")
+    assert stale_k8s(root) == [target, image]
+    assert write_k8s(root) == [target, image]
     assert target.read_text() == (OVERLAYS_DIR / "gpu-prod" / "serve-config.yaml").read_text()
+    assert image.read_text() == (OVERLAYS_DIR / "gpu-prod" / "image.yaml").read_text()
     assert stale_k8s(root) == []
     mtime = target.stat().st_mtime_ns
-    assert write_k8s(root, "gpu-prod") == [target]
+    assert write_k8s(root, "gpu-prod") == [target, image]
     assert target.stat().st_mtime_ns == mtime  # unchanged content is not rewritten
     with pytest.raises(K8sError, match="no environment 'local'"):
         write_k8s(root, "local")

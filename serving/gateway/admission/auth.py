@@ -64,7 +64,7 @@ class Authenticator:
                 _, salt, hexd = h.split("$")
                 self._hashed.append((salt, hexd, tenant))
             if t.key_env:
-                key = os.environ.get(t.key_env)
+                key = (os.environ.get(t.key_env) or "").strip()  # a Secret made from a file ends in a newline
                 if key:
                     self._cache[_digest(key)] = tenant
                 else:
