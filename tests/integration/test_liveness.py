@@ -16,6 +16,7 @@ import httpx
 import psutil
 import pytest
 
+from serving.replica.engine import VLLM_SERVER_MODULE
 from serving.replica.placement import engine_core_pid
 from tests.conftest import Stack
 from tests.integration.test_failover import _one, _replica_pids, _wait_replicas
@@ -41,11 +42,7 @@ def _gcs_server_pid(stack: Stack) -> int:
 
 def _api_server_pid(replica_pid: int) -> int:
     """The vLLM OpenAI server a model replica started."""
-    kids = [
-        p
-        for p in psutil.Process(replica_pid).children()
-        if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())
-    ]
+    kids = [p for p in psutil.Process(replica_pid).children() if VLLM_SERVER_MODULE in p.cmdline()]
     assert len(kids) == 1, kids
     return kids[0].pid
 
