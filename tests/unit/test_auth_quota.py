@@ -9,6 +9,7 @@ from serving.config import AuthConfig
 from serving.errors import AuthenticationError, Unavailable
 from serving.gateway.admission.auth import ANONYMOUS, Authenticator, hash_key, new_key
 from serving.gateway.admission.quota import QuotaActor, QuotaClient, WindowCounter, rate_limit_headers
+from tests.support.kv import MemoryKV
 
 
 def test_hashed_and_env_keys(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,22 +82,8 @@ def test_token_reservations_bound_concurrent_overshoot_and_are_settled() -> None
     assert short.admit("u", None, 10, 1000, now=6.0, reserve=10).allowed
 
 
-class _MemoryKV:
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def put(self, key: str, value: bytes) -> None:
-        self.data[key] = value
-
-    def delete(self, key: str) -> None:
-        self.data.pop(key, None)
-
-    def scan(self, prefix: str) -> dict[str, bytes]:
-        return {k: v for k, v in self.data.items() if k.startswith(prefix)}
-
-
 def test_quota_actor_counts_survive_a_restart_through_its_checkpoint() -> None:
-    kv = _MemoryKV()
+    kv = MemoryKV()
     first = QuotaActor(kv, checkpoint_s=0)
     assert [first.admit("t", 2, None, 3600).allowed for _ in range(2)] == [True, True]
     held = first.admit("u", None, 100, 3600, reserve=40)

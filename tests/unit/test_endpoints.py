@@ -11,21 +11,8 @@ import pytest
 from serving.contract import LeaseHint, Record, publish, read_records, withdraw
 from serving.gateway.replicas import EndpointTable
 from serving.replica.server import free_port
+from tests.support.kv import MemoryKV
 from tests.support.loopback import http_replica
-
-
-class DictKV:
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def put(self, key: str, value: bytes) -> None:
-        self.data[key] = value
-
-    def delete(self, key: str) -> None:
-        self.data.pop(key, None)
-
-    def scan(self, prefix: str) -> dict[str, bytes]:
-        return {k: v for k, v in self.data.items() if k.startswith(prefix)}
 
 
 class PassThrough:
@@ -73,7 +60,7 @@ def _reads(table: EndpointTable, records: object, start: float, end: float, step
 
 
 def test_records_round_trip_and_withdraw() -> None:
-    kv = DictKV()
+    kv = MemoryKV()
     publish(kv, "adder--v1", "r1", "http://10.0.0.1:9001", "t1", seq=5)
     publish(kv, "adder--v1", "r2", "http://10.0.0.2:9002", "t2", seq=6, state="hung")
     publish(kv, "sub--v1", "r3", "http://10.0.0.3:9003", "t3", seq=7)
@@ -202,7 +189,7 @@ async def test_gateways_delete_the_records_that_expired() -> None:
 
     from serving.gateway import replicas as endpoints
 
-    kv = DictKV()
+    kv = MemoryKV()
     publish(kv, "a", "killed", "http://x:1", "t", seq=1)
     publish(kv, "a", "live", "http://x:3", "t", seq=1)
     table = EndpointTable()
@@ -254,7 +241,7 @@ async def test_serve_leases_pick_directly_and_fall_back_to_serve() -> None:
 
         return H()
 
-    kv = DictKV()
+    kv = MemoryKV()
     publish(kv, "a--v1", "r1", "http://10.0.0.1:9001", "t1", seq=1)
     leases = ReplicaFinder(direct=True, kv=kv)
     leases._handles = {"a--v1": handle("a--v1"), "cold--v1": handle("cold--v1")}  # type: ignore[dict-item]
