@@ -29,18 +29,26 @@ __all__ = ["Exchange", "GatewayCore"]
 
 
 class Exchange:
-    """One request's bookkeeping: usage, timings, quota use and metrics, finished exactly once."""
+    """One request's bookkeeping: usage, timings, quota use and metrics, finished exactly once.
+
+    It holds the request's place in ``in_flight`` (the gateway's per-model count, which shedding
+    reads) from its creation to :meth:`finish`, and is given what it reports to: the quota client
+    and the metrics (None in unit use)."""
 
     def __init__(
         self,
-        core: GatewayCore,
         parsed: ParsedRequest,
         resolved: Resolved,
         tenant: Tenant,
+        *,
+        in_flight: Counter[str],
+        quota: QuotaClient,
+        metrics: Any = None,
         ticket: int = 0,
         reserved: int = 0,
     ) -> None:
-        self.core, self.parsed, self.tenant = core, parsed, tenant
+        self.parsed, self.tenant = parsed, tenant
+        self.in_flight, self.quota, self.metrics = in_flight, quota, metrics
         self.ticket, self.reserved = ticket, reserved  # the TPM reservation, settled in finish
         self.model, self.version = resolved.model.name, resolved.version.version
         self.started = time.monotonic()
@@ -53,6 +61,7 @@ class Exchange:
         )
         self.usage: dict[str, Any] | None = None
         self._done = False
+        self.in_flight[self.model] += 1
 
     def feed(self, chunk: bytes) -> bytes:
         now = time.monotonic()
@@ -65,7 +74,7 @@ class Exchange:
         return self.tap.flush() if self.tap else b""
 
     def retried(self) -> None:
-        m = self.core.metrics
+        m = self.metrics
         if m:
             m.retries.inc(tags={"model": self.model, "version": self.version})
 
@@ -73,21 +82,21 @@ class Exchange:
         if self._done:
             return
         self._done = True
-        self.core.in_flight[self.model] -= 1
+        self.in_flight[self.model] -= 1
         self.usage = self.tap.usage if self.tap else (usage_of(body) if body and status == 200 else None)
         if self.usage is not None:
             tokens = int(self.usage.get("total_tokens") or 0)
         else:  # a client that left before any usage came: the engine may have run, bill the reservation
             tokens = self.reserved if status == 499 else 0
         if self.tenant.tpm is not None or self.ticket:
-            self.core.quota.record(self.tenant.name, tokens if self.tenant.tpm is not None else 0, self.ticket)
-        m = self.core.metrics
+            self.quota.record(self.tenant.name, tokens if self.tenant.tpm is not None else 0, self.ticket)
+        m = self.metrics
         if m is None:
             return
         tags = m.tags(self.model, self.version, self.tenant.name)
         m.requests.inc(tags={**tags, "status_class": f"{status // 100}xx"})
         m.e2e.observe(time.monotonic() - self.started, tags=tags)
-        m.in_flight.set(self.core.in_flight[self.model], tags={"model": self.model, "kind": "all"})
+        m.in_flight.set(self.in_flight[self.model], tags={"model": self.model, "kind": "all"})
         if self.usage:
             m.prompt_tokens.inc(int(self.usage.get("prompt_tokens") or 0), tags=tags)
             m.completion_tokens.inc(int(self.usage.get("completion_tokens") or 0), tags=tags)
@@ -195,8 +204,16 @@ class GatewayCore:
         hint = self.hint_for(resolved, parsed, session_id)
         app, timeout = resolved.version.app, resolved.model.cold_start_timeout_s
         limit = resolved.model.max_ongoing_requests
-        exchange = Exchange(self, parsed, resolved, tenant, ticket, reserve)
-        self.in_flight[model] += 1
+        exchange = Exchange(
+            parsed,
+            resolved,
+            tenant,
+            in_flight=self.in_flight,
+            quota=self.quota,
+            metrics=self.metrics,
+            ticket=ticket,
+            reserved=reserve,
+        )
 
         async def leaser() -> Lease:
             return await self.leases.lease(app, hint, timeout, limit)
