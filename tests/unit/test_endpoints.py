@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 
@@ -49,12 +50,18 @@ def _rec(app: str, replica: str, seq: int = 1, state: str = "up") -> Record:
     return Record(app, replica, f"http://10.0.0.1:{9000 + len(replica)}", "tok-" + replica, seq, state)
 
 
-def _reads(table: EndpointTable, records: object, start: float, end: float, step: float = 1.0) -> list[str]:
+def _reads(
+    table: EndpointTable,
+    records: list[Record] | Callable[[float], list[Record]],
+    start: float,
+    end: float,
+    step: float = 1.0,
+) -> list[str]:
     """Read the store every ``step`` seconds from ``start`` to ``end`` (``records``: a list, or a
     function of the time); returns the replicas reported dead on the way."""
     dead, now = [], start
     while now <= end:
-        dead += table.update(records(now) if callable(records) else records, now=now)  # type: ignore[operator]
+        dead += table.update(records(now) if callable(records) else records, now=now)
         now += step
     return dead
 

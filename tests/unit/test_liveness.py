@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from serving.replica.liveness import StallWatch
 
 
@@ -14,11 +16,17 @@ def _m(running: float = 0, waiting: float = 0, gen: float = 0, prompt: float = 0
     }
 
 
-def _scrapes(watch: StallWatch, values: object, start: float, end: float, step: float = 1.0) -> list[float]:
+def _scrapes(
+    watch: StallWatch,
+    values: dict[str, float] | Callable[[float], dict[str, float]],
+    start: float,
+    end: float,
+    step: float = 1.0,
+) -> list[float]:
     """Scrape every ``step`` s; returns the times at which the engine was found hung."""
     hung, now = [], start
     while now <= end:
-        if watch.observe(values(now) if callable(values) else values, now):  # type: ignore[operator]
+        if watch.observe(values(now) if callable(values) else values, now):
             hung.append(now)
         now += step
     return hung

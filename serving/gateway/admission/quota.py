@@ -97,7 +97,7 @@ class WindowCounter:
         slot = stream and max_streams is not None
         reset = (wid + 1) * window_s - now
         reason = ""
-        if slot and self.streams(tenant) >= max_streams:  # type: ignore[operator]
+        if stream and max_streams is not None and self.streams(tenant) >= max_streams:
             reason = "streams"
         elif rpm is not None and reqs >= rpm:
             reason = "requests"
@@ -299,8 +299,8 @@ class QuotaClient:
         self, tenant: str, rpm: int | None, tpm: int | None, reserve: int, stream: bool, max_streams: int | None
     ) -> Admission:
         handle = self._actor if self._actor is not None else await asyncio.to_thread(self._handle)
-        a = await handle.admit.remote(tenant, rpm, tpm, self.window_s, reserve, stream, max_streams)
-        return a  # type: ignore[no-any-return]
+        a: Admission = await handle.admit.remote(tenant, rpm, tpm, self.window_s, reserve, stream, max_streams)
+        return a
 
     def _failed(self, tenant: str, exc: BaseException) -> tuple[dict[str, str], int]:
         self.failures += 1
