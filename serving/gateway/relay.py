@@ -8,7 +8,10 @@ replica, and only while the retry budget (:class:`RetryBudget`) allows:
 - the connection failed before any response byte (refused, reset, closed by the server);
 - the replica is known dead (its lease died, or vLLM answered 503, which it does when its engine
   is dead, not when it is busy);
-- no byte came within ``first_byte_s`` (the connection is closed, so the engine drops the request).
+- no byte came within ``first_byte_s`` (the connection is closed, so the engine drops the request);
+- the replica answered with an error of its own (5xx) and then failed its ``/health`` check: a
+  replica that is shutting down (its actor was killed, its engine is stopping) fails requests it
+  had not begun, and those are safe to send elsewhere.
 
 Those mark the replica failed (skipped for a few seconds). Any other answer of the engine, an
 error included (e.g. its 500 for a grammar it cannot satisfy), reaches the client once, in
@@ -230,8 +233,19 @@ async def _open(
             resp.close()
             raise _Broken(f"{type(exc).__name__} reading the answer") from exc
         resp.release()
+        if resp.status >= 500 and not await _healthy(client, lease):
+            raise _RetryableFailure(f"replica answered {resp.status} and then failed its health check")
         return resp, data
     return resp, None
+
+
+async def _healthy(client: Upstream, lease: Lease) -> bool:
+    """Whether the replica's engine still answers ``/health`` (asked only after a 5xx answer)."""
+    try:
+        async with client.session.get(lease.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            return r.status == 200
+    except (TimeoutError, aiohttp.ClientError):
+        return False
 
 
 async def _first_chunk(resp: aiohttp.ClientResponse) -> bytes:

@@ -63,6 +63,28 @@ async def test_an_engine_error_reaches_the_client_once_and_the_replica_stays() -
     assert leases.released == [False]  # not marked failed
 
 
+async def test_an_error_from_a_replica_that_then_fails_its_health_check_is_retried() -> None:
+    """A replica shutting down (its actor killed, its engine stopping) fails a request it had not
+    begun with a 500, and its /health fails: the request is safe to send elsewhere."""
+    hits: list[int] = []
+    dying: list[bool] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        hits.append(1)
+        if len(hits) == 1:
+            dying.append(True)
+            return web.json_response({"error": {"message": "engine core shut down"}}, status=500)
+        return web.json_response(ANSWER)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=503 if dying and len(hits) == 1 else 200)
+
+    async with http_replica(handler, health) as url, _gateway(url, retries=2) as (c, leases):
+        r = await c.post("/v1/completions", json=BODY)
+    assert r.status_code == 200 and r.headers["x-upstream-attempts"] == "2" and len(hits) == 2
+    assert leases.released == [True, False]  # the dying replica was marked failed
+
+
 async def test_vllm_503_is_retried_elsewhere_and_marks_the_replica() -> None:
     hits: list[int] = []
 
