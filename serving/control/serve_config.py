@@ -22,6 +22,9 @@ from serving.replica.routers import ROUTER_CLASSES
 __all__ = ["app_name", "build_serve_config", "routing_user_config"]
 
 GATEWAY_APP = "gateway"
+# Fields of GatewayConfig that shape the Serve deployment (options, not init args): kept out of the
+# gateway's args, so that scaling the gateway scales it instead of restarting every replica.
+GATEWAY_SHAPE: set[str] = {"num_replicas", "autoscaling", "num_cpus"}
 
 
 def app_name(model: str, version: str) -> str:
@@ -148,7 +151,10 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
         "route_prefix": "/",
         "import_path": "serving.gateway.deployment:build_gateway",
         # the gateway's own config, validated again on the replica (GatewayConfig.model_validate)
-        "args": {"config": g.model_dump(mode="json"), "shutdown": sd.model_dump(mode="json")},
+        "args": {
+            "config": g.model_dump(mode="json", exclude=GATEWAY_SHAPE),
+            "shutdown": sd.model_dump(mode="json"),
+        },
         "deployments": [
             {
                 "name": "Gateway",

@@ -144,7 +144,14 @@ def test_typed_config_crosses_the_serve_boundary_unchanged() -> None:
 
     cfg = load_config(ROOT / "tests" / "integration" / "stack.yaml")
     (gateway,) = [a for a in build_serve_config(cfg)["applications"] if a["name"] == "gateway"]
-    assert GatewayConfig.model_validate(gateway["args"]["config"]) == cfg.gateway
+    from serving.control.serve_config import GATEWAY_SHAPE
+
+    args = GatewayConfig.model_validate(gateway["args"]["config"])
+    assert args.model_dump(exclude=GATEWAY_SHAPE) == cfg.gateway.model_dump(exclude=GATEWAY_SHAPE)
+    # the deployment's shape is Serve's options, not init args: scaling does not restart replicas
+    bigger = cfg.model_copy(update={"gateway": cfg.gateway.model_copy(update={"num_replicas": 5})})
+    (scaled,) = [a for a in build_serve_config(bigger)["applications"] if a["name"] == "gateway"]
+    assert scaled["args"] == gateway["args"] and scaled["deployments"][0]["num_replicas"] == 5
     routes = GatewayRoutes.model_validate(gateway["deployments"][0]["user_config"])
     assert routes.auth == cfg.auth and [m.name for m in routes.models] == [m.name for m in cfg.models]
     assert routes.models[1].max_ongoing_requests == cfg.models[1].deployment.max_ongoing_requests
