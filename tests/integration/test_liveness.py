@@ -84,20 +84,25 @@ def _under_load(stack: Stack, clients: int, drill: Callable[[], None], streams: 
     return asyncio.run(run())
 
 
+def _no_request_fails_while_stopped(stack: Stack, pid: int, seconds: float) -> None:
+    """Under 4 streaming clients, ``pid`` is stopped (SIGSTOP) for ``seconds``, then continued:
+    every request, streams included, must finish ok."""
+
+    def pause() -> None:
+        with _stopped(pid):
+            time.sleep(seconds)
+
+    results = _under_load(stack, 4, pause)
+    summary = Counter(f"{k}:{o}" for k, o in results)
+    assert len(results) > 8 and all(o == "ok" for _, o in results), summary
+
+
 def test_gcs_pause_cuts_no_stream(stack: Stack) -> None:
     """Ray's GCS stops for 20 s (the head's gcs_server SIGSTOPped) under streaming load: the
     heartbeats and the gateways' reads of the endpoint store stall with it, and no replica is
     taken for dead: every stream finishes, no request fails."""
     _wait_replicas(stack, APP, 2, 300)
-    gcs = _gcs_server_pid(stack)
-
-    def pause() -> None:
-        with _stopped(gcs):
-            time.sleep(20)
-
-    results = _under_load(stack, 4, pause)
-    summary = Counter(f"{k}:{o}" for k, o in results)
-    assert len(results) > 8 and all(o == "ok" for _, o in results), summary
+    _no_request_fails_while_stopped(stack, _gcs_server_pid(stack), 20)
 
 
 def test_slow_metrics_scrape_cuts_no_stream(stack: Stack) -> None:
@@ -105,15 +110,7 @@ def test_slow_metrics_scrape_cuts_no_stream(stack: Stack) -> None:
     past its 5 s timeout: the replica's heartbeat does not wait on the scrape, the gateways keep
     the replica, and its streams resume and finish."""
     _wait_replicas(stack, APP, 2, 300)
-    api = _api_server_pid(_replica_pids(APP)[0])
-
-    def stall() -> None:
-        with _stopped(api):
-            time.sleep(12)
-
-    results = _under_load(stack, 4, stall)
-    summary = Counter(f"{k}:{o}" for k, o in results)
-    assert len(results) > 8 and all(o == "ok" for _, o in results), summary
+    _no_request_fails_while_stopped(stack, _api_server_pid(_replica_pids(APP)[0]), 12)
 
 
 def test_hung_engine_is_replaced_and_its_requests_go_elsewhere(stack: Stack) -> None:
