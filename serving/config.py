@@ -14,6 +14,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from serving.registry import Gate
+
 __all__ = [
     "AuthConfig",
     "TenantConfig",
@@ -80,6 +82,10 @@ class EngineConfig(_Strict):
         description="CPU, one rank: EngineCore on its own claimed core(s), vLLM's API server on the node's "
         "unclaimed cores, if any (docs/performance.md).",
     )
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM tool-call parser for the model's format (e.g. hermes): enables tool_choice auto.",
+    )
     extra_args: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description="Further vLLM CLI flags, e.g. {enforce-eager: true}; booleans become bare flags.",
@@ -142,12 +148,18 @@ class DeploymentOptions(_Strict):
 
 
 class TrainRecipe(_Strict):
-    """How ``serving up`` builds a missing version locally with the training job (no model hub)."""
+    """How ``serving up`` builds a missing version with the training job: the same arguments as
+    ``python -m training.train`` (docs/training.md)."""
 
-    task: Literal["add", "sub"] = Field(description="Arithmetic task the job trains on.")
-    size: Literal["tiny", "small"] = Field("tiny", description="tiny: 3x128 layers; small: 4x256.")
-    steps: int | None = Field(None, ge=1, description="Default: the job's default for the size.")
-    seed: int = Field(0, description="Data and initialisation seed.")
+    base: str = Field(
+        description="Where the weights start: init:<family>-<size> (freshly built, e.g. init:llama-tiny), "
+        "<model>@<version> of the store, a Hugging Face folder, an fsspec URI of one, or a hub id."
+    )
+    data: str = Field(description="Training JSONL (path or fsspec URI), or builtin:<task> (generated).")
+    eval: str | None = Field(None, description="Evaluation JSONL; default: the held-out half of builtin:<task>.")
+    method: Literal["full"] = Field("full", description="full: every weight is trained.")
+    steps: int | None = Field(None, ge=1, description="Optimizer steps; default: the job's default for the base.")
+    seed: int = Field(0, description="Data order and initialisation seed.")
 
 
 class ModelVersion(_Strict):
@@ -174,8 +186,9 @@ class ModelConfig(_Strict):
     versions: list[ModelVersion] = Field(min_length=1, description="Deployed versions and their weights.")
     engine: EngineConfig = Field(EngineConfig(), description="vLLM engine arguments.")
     deployment: DeploymentOptions = Field(DeploymentOptions(), description="Ray Serve options.")
-    eval_gate: float | None = Field(
-        None, ge=0, le=1, description="Minimum held-out exact match a version needs to be promoted."
+    gate: Gate | None = Field(
+        None,
+        description="What a version's manifest must score to be promoted, e.g. {metric: exact_match, min: 0.9}.",
     )
 
     @field_validator("name")

@@ -20,7 +20,7 @@ Exception tree (all carry ``model`` and ``version``)::
      +-- VersionExists        publish refused: the version is already there (never overwritten)
      +-- IncompleteVersion    no manifest, or a manifest that does not parse
      +-- TamperedVersion      a listed file is missing or differs, or an unlisted file is present
-     +-- BelowEvalGate        the manifest's exact match is below the requested gate
+     +-- BelowEvalGate        the manifest's gated metric is missing or misses the gate
 """
 
 from __future__ import annotations
@@ -34,20 +34,25 @@ import shutil
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = [
+    "BaseRef",
     "BelowEvalGate",
     "CheckpointStore",
-    "EvalScore",
+    "DataRef",
+    "Evaluation",
+    "Gate",
     "IncompleteVersion",
     "Manifest",
     "RegistryError",
     "TamperedVersion",
+    "TrainingRun",
+    "architecture_of",
     "VersionExists",
     "VersionNotFound",
     "check_name",
@@ -91,31 +96,106 @@ class BelowEvalGate(RegistryError):
     """The version's evaluation score is below the required gate."""
 
 
-class EvalScore(BaseModel):
-    """Held-out evaluation recorded by the training job."""
+class DataRef(BaseModel):
+    """A dataset a version was trained or evaluated on: where it was read and what it held."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
-    exact_match: float
+    uri: str
+    sha256: str
+    rows: int
+    format: Literal["chat", "completion", "mixed"]
+
+
+class BaseRef(BaseModel):
+    """Where a version's weights started.
+
+    ``source`` says how ``ref`` is read: ``store`` (``model@version`` of this store, whose
+    manifest hash is recorded), ``folder`` (a local Hugging Face folder), ``uri`` (an fsspec URI of
+    one), ``hub`` (a Hugging Face hub id) or ``init`` (freshly initialised by the project's own
+    builder, e.g. ``init:llama-tiny``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: Literal["store", "folder", "uri", "hub", "init"]
+    ref: str
+    manifest_sha256: str | None = None
+
+
+class Evaluation(BaseModel):
+    """Scores on an evaluation set. ``metrics`` holds every figure computed (``exact_match``,
+    ``mean_token_loss``, ``perplexity``...); a promotion gate names the one it compares."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metrics: dict[str, float]
     n: int
+    data: DataRef | None = None
+
+    def value(self, metric: str) -> float | None:
+        return self.metrics.get(metric)
+
+
+class TrainingRun(BaseModel):
+    """How the training job produced a version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["full", "lora"]
+    steps: int
+    final_loss: float
+    seed: int = 0
+    workers: int = 1
+    resumed_from_step: int = 0
+    wall_s: float = 0.0
+    data: DataRef
+    hyperparameters: dict[str, Any] = {}
 
 
 class Manifest(BaseModel):
-    """``manifest.json`` of one version. Extra fields are kept, so writers may add provenance."""
+    """``manifest.json`` of one version. Extra fields are kept, so writers may add provenance.
+
+    ``files`` maps every other file of the version to its sha256 and ``sizes`` to its size in
+    bytes (the cheap check a node-local cache repeats at each start). A trained version records its
+    ``base``, ``training`` and ``eval``; an imported one (``serving import``) its ``base`` only.
+    """
 
     model_config = ConfigDict(extra="allow")
 
     model: str
     version: str
-    parent_version: str | None = None
-    task: str
-    size: str
-    steps: int
-    final_loss: float
-    eval: EvalScore
+    architecture: str | None = None
+    base: BaseRef | None = None
+    training: TrainingRun | None = None
+    eval: Evaluation | None = None
     files: dict[str, str]
+    sizes: dict[str, int] = {}
     created_at: datetime
     code_revision: str = "unknown"
+
+
+class Gate(BaseModel):
+    """A promotion gate: the manifest's ``eval.metrics[metric]`` must reach ``min`` (or stay at or
+    under ``max`` for a loss)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    metric: str = Field(description="A metric of the manifest's eval, e.g. exact_match or mean_token_loss.")
+    min: float | None = Field(None, description="Lowest value that passes (for scores).")
+    max: float | None = Field(None, description="Highest value that passes (for losses).")
+
+    def check(self, manifest: Manifest) -> None:
+        label = f"{manifest.model}@{manifest.version}"
+        ids = {"model": manifest.model, "version": manifest.version}
+        value = manifest.eval.value(self.metric) if manifest.eval else None
+        if value is None:
+            raise BelowEvalGate(f"{label}: the manifest records no {self.metric!r} to gate on", **ids)
+        n = manifest.eval.n if manifest.eval else 0
+        if self.min is not None and value < self.min:
+            raise BelowEvalGate(f"{label}: {self.metric} {value:.4f} (n={n}) is below the gate {self.min:.4f}", **ids)
+        if self.max is not None and value > self.max:
+            raise BelowEvalGate(f"{label}: {self.metric} {value:.4f} (n={n}) is above the gate {self.max:.4f}", **ids)
 
 
 def check_name(kind: str, name: str) -> str:
@@ -126,6 +206,15 @@ def check_name(kind: str, name: str) -> str:
             "(at most 128 characters, not starting with '.', '_' or '-')"
         )
     return name
+
+
+def architecture_of(directory: str | Path) -> str | None:
+    """The first of ``architectures`` in a Hugging Face folder's ``config.json``, if any."""
+    try:
+        archs = json.loads((Path(directory) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return None
+    return str(archs[0]) if archs else None
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -241,12 +330,14 @@ class CheckpointStore:
         for full in self.fs.find(path):
             yield full[len(path) :].lstrip("/")
 
-    def verify(self, model: str, version: str, min_exact_match: float | None = None) -> Manifest:
+    def verify(self, model: str, version: str, gate: Gate | None = None) -> Manifest:
         """Re-hash every file against the manifest, then apply the eval gate."""
         manifest = self.manifest(model, version)
         path = self.version_path(model, version)
         self._check_files(manifest, set(self._remote_files(path)), self._remote_hash(path))
-        return self._gate(manifest, min_exact_match)
+        if gate is not None:
+            gate.check(manifest)
+        return manifest
 
     def _remote_hash(self, base: str) -> Any:
         def digest(rel: str) -> str:
@@ -274,17 +365,6 @@ class CheckpointStore:
                 f"({len(extra)} unlisted file(s): {', '.join(extra)})",
                 **ids,
             )
-
-    @staticmethod
-    def _gate(manifest: Manifest, min_exact_match: float | None) -> Manifest:
-        if min_exact_match is not None and manifest.eval.exact_match < min_exact_match:
-            raise BelowEvalGate(
-                f"{manifest.model}@{manifest.version}: exact match {manifest.eval.exact_match:.4f} "
-                f"(n={manifest.eval.n}) is below the gate {min_exact_match:.4f}",
-                model=manifest.model,
-                version=manifest.version,
-            )
-        return manifest
 
     def local_path(self, model: str, version: str) -> str:
         """A local directory with the version's files that an engine can load.
@@ -334,8 +414,11 @@ class CheckpointStore:
                 **ids,
             )
         files = hash_tree(local_dir)
+        if fields.get("architecture") is None:
+            fields = {**fields, "architecture": architecture_of(local_dir)}
+        sizes = {rel: (Path(local_dir) / rel).stat().st_size for rel in files}
         created = datetime.now(UTC).replace(microsecond=0)
-        manifest = Manifest.model_validate({**fields, "files": files, "created_at": created})
+        manifest = Manifest.model_validate({**fields, "files": files, "sizes": sizes, "created_at": created})
         tmp = self._join(model, f"{TMP_PREFIX}{version}-{secrets.token_hex(4)}")
         try:
             for rel in files:

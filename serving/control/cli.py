@@ -199,10 +199,9 @@ def versions(model: str = typer.Argument(...), config: Path = ConfigOpt) -> None
     live = {v.version: v.weight for v in cfg.model(model).versions}
     for v in store.list_versions(model):
         man = store.manifest(model, v)
-        print(
-            f"{v:10} task={man.task:4} exact_match={man.eval.exact_match:.3f} "
-            f"steps={man.steps:5} traffic={live.get(v, 0)}%"
-        )
+        base = f"{man.base.source}:{man.base.ref}" if man.base else "-"
+        scores = " ".join(f"{k}={x:.3f}" for k, x in sorted(man.eval.metrics.items())) if man.eval else "no eval"
+        print(f"{v:10} base={base} {scores} traffic={live.get(v, 0)}%")
 
 
 @app.command("render-k8s")

@@ -25,7 +25,7 @@ import httpx
 from serving.config import ModelVersion, StackConfig
 from serving.control.serve_config import app_name
 from serving.metrics import samples
-from serving.registry import CheckpointStore, RegistryError
+from serving.registry import CheckpointStore, Manifest, RegistryError
 
 __all__ = [
     "PromotionError",
@@ -117,6 +117,12 @@ def apply_routes(cfg: StackConfig, path: Path) -> StackConfig:
             m = m.model_copy(update={"versions": versions})
         models.append(m)
     return StackConfig.model_validate({**cfg.model_dump(), "models": [x.model_dump() for x in models]})
+
+
+def _scores(manifest: Manifest) -> str:
+    if manifest.eval is None:
+        return "no evaluation recorded"
+    return ", ".join(f"{k} {v:.3f}" for k, v in sorted(manifest.eval.metrics.items()))
 
 
 def _with_versions(cfg: StackConfig, model: str, versions: list[tuple[str, int]]) -> StackConfig:
@@ -219,12 +225,12 @@ def promote(
     if version == live or m.version(version) is not None:
         raise PromotionError(f"{model}@{version} is already deployed")
     try:
-        manifest = store.verify(model, version, m.eval_gate)
+        manifest = store.verify(model, version, m.gate)
     except RegistryError as exc:
         result.status, result.reason = "refused", str(exc)
         note(f"refused: {exc}")
         return result
-    note(f"verified {model}@{version}: exact match {manifest.eval.exact_match:.3f}, {len(manifest.files)} files hashed")
+    note(f"verified {model}@{version}: {_scores(manifest)}, {len(manifest.files)} files hashed")
     stable = _with_versions(cfg, model, [(live, 100)])
     current = _with_versions(cfg, model, [(live, 100), (version, 0)])
     try:

@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from serving import config as c
+from serving.registry import Gate
 
 __all__ = ["config_reference"]
 
@@ -20,6 +21,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("auth.tenants[]", c.TenantConfig),
     ("local_ray", c.LocalRayConfig),
     ("models[]", c.ModelConfig),
+    ("models[].gate", Gate),
     ("models[].versions[]", c.ModelVersion),
     ("models[].versions[].recipe", c.TrainRecipe),
     ("models[].engine", c.EngineConfig),

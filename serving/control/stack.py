@@ -88,18 +88,21 @@ def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
             if not (Path(path) / "config.json").exists():
                 if v.recipe is None:
                     raise FileNotFoundError(f"{m.name}@{v.version}: no checkpoint at {path} and no recipe")
-                log(f"building {m.name}@{v.version} ({v.recipe.task}, {v.recipe.size}) with the training job...")
+                r = v.recipe
+                log(f"building {m.name}@{v.version} from {r.base} on {r.data} with the training job...")
                 from training.train import train
 
                 p = Path(path)  # <root>/<model>/<version>
                 train(
                     model=p.parent.name,
                     version=p.name,
-                    task=v.recipe.task,
                     root=str(p.parent.parent),
-                    size=v.recipe.size,
-                    steps=v.recipe.steps,
-                    seed=v.recipe.seed,
+                    base=r.base,
+                    data=r.data,
+                    eval_data=r.eval,
+                    method=r.method,
+                    steps=r.steps,
+                    seed=r.seed,
                 )
             hf = json.loads((Path(path) / "config.json").read_text())
             check_layout(m, hf, float(cfg.local_ray.num_cpus), None)

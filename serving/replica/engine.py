@@ -133,6 +133,8 @@ def vllm_command(spec: EngineSpec, host: str, port: int) -> list[str]:
     ]
     if single_process(spec) and _extra(spec, "distributed-executor-backend") is None:
         args += ["--distributed-executor-backend", "uni"]
+    if spec.engine.tool_call_parser:  # a server option, not an engine argument
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", spec.engine.tool_call_parser]
     for key, value in engine_args(spec).items():
         if value is True:
             args.append(_flag(key))

@@ -36,7 +36,7 @@ def _config(tmp: Path) -> Path:
         "models": [
             {
                 "name": "arith",
-                "eval_gate": 0.9,
+                "gate": {"metric": "exact_match", "min": 0.9},
                 "versions": [{"version": "v1"}],
                 "engine": {"max_model_len": 64, "dtype": "float32", "max_num_seqs": 32},
             }

@@ -49,7 +49,7 @@ def test_compare() -> None:
 CFG = {
     "auth": {"mode": "open"},
     "checkpoint_root": "/ck",
-    "models": [{"name": "calc", "versions": [{"version": "v1"}], "eval_gate": 0.9}],
+    "models": [{"name": "calc", "versions": [{"version": "v1"}], "gate": {"metric": "exact_match", "min": 0.9}}],
 }
 
 
@@ -86,11 +86,7 @@ def _store(tmp: Path, score: float) -> CheckpointStore:
     manifest = {
         "model": "calc",
         "version": "v2",
-        "task": "sub",
-        "size": "tiny",
-        "steps": 1,
-        "final_loss": 0.1,
-        "eval": {"exact_match": score, "n": 100},
+        "eval": {"metrics": {"exact_match": score}, "n": 100},
         "files": hash_tree(d),
         "created_at": "2026-11-30T00:00:00Z",
     }

@@ -17,6 +17,8 @@ from serving.registry import (
     IncompleteVersion,
     Manifest,
     RegistryError,
+    Evaluation,
+    Gate,
     TamperedVersion,
     VersionExists,
     VersionNotFound,
@@ -29,12 +31,8 @@ def fields(model: str, version: str, score: float = 0.97, **extra: Any) -> dict[
     return {
         "model": model,
         "version": version,
-        "parent_version": None,
-        "task": "add",
-        "size": "tiny",
-        "steps": 1200,
-        "final_loss": 0.01,
-        "eval": {"exact_match": score, "n": 500},
+        "base": {"source": "init", "ref": "init:llama-tiny"},
+        "eval": {"metrics": {"exact_match": score}, "n": 500},
         "code_revision": "unknown",
         **extra,
     }
@@ -105,8 +103,8 @@ def test_listing_ignores_partial_runs_and_tmp_dirs(published: CheckpointStore) -
 def test_manifest_and_verify_ok(published: CheckpointStore) -> None:
     manifest = published.manifest("adder", "v10")
     assert isinstance(manifest, Manifest)
-    assert (manifest.model, manifest.version, manifest.eval.exact_match) == ("adder", "v10", 0.99)
-    assert published.verify("adder", "v10", min_exact_match=0.9) == manifest
+    assert (manifest.model, manifest.version, manifest.eval and manifest.eval.metrics["exact_match"]) == ("adder", "v10", 0.99)
+    assert published.verify("adder", "v10", Gate(metric="exact_match", min=0.9)) == manifest
 
 
 def test_extra_manifest_fields_are_kept(store: CheckpointStore, tmp_path: Path) -> None:
@@ -165,10 +163,10 @@ def test_tampered(published: CheckpointStore, change: str, message: str) -> None
 
 
 def test_below_eval_gate(published: CheckpointStore) -> None:
-    expected = r"adder@v2: exact match 0\.5000 \(n=500\) is below the gate 0\.9000"
+    expected = r"adder@v2: exact_match 0\.5000 \(n=500\) is below the gate 0\.9000"
     with pytest.raises(BelowEvalGate, match=expected):
-        published.verify("adder", "v2", min_exact_match=0.9)
-    assert published.verify("adder", "v2", min_exact_match=0.5).eval.exact_match == 0.5
+        published.verify("adder", "v2", Gate(metric="exact_match", min=0.9))
+    assert published.verify("adder", "v2", Gate(metric="exact_match", min=0.5)).eval == Evaluation(metrics={"exact_match": 0.5}, n=500)
     assert published.verify("adder", "v2").version == "v2"  # no gate
 
 
