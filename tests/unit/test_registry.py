@@ -14,11 +14,11 @@ import pytest
 from serving.registry import (
     BelowEvalGate,
     CheckpointStore,
+    Evaluation,
+    Gate,
     IncompleteVersion,
     Manifest,
     RegistryError,
-    Evaluation,
-    Gate,
     TamperedVersion,
     VersionExists,
     VersionNotFound,
@@ -103,7 +103,11 @@ def test_listing_ignores_partial_runs_and_tmp_dirs(published: CheckpointStore) -
 def test_manifest_and_verify_ok(published: CheckpointStore) -> None:
     manifest = published.manifest("adder", "v10")
     assert isinstance(manifest, Manifest)
-    assert (manifest.model, manifest.version, manifest.eval and manifest.eval.metrics["exact_match"]) == ("adder", "v10", 0.99)
+    assert (manifest.model, manifest.version, manifest.eval and manifest.eval.metrics["exact_match"]) == (
+        "adder",
+        "v10",
+        0.99,
+    )
     assert published.verify("adder", "v10", Gate(metric="exact_match", min=0.9)) == manifest
 
 
@@ -166,7 +170,9 @@ def test_below_eval_gate(published: CheckpointStore) -> None:
     expected = r"adder@v2: exact_match 0\.5000 \(n=500\) is below the gate 0\.9000"
     with pytest.raises(BelowEvalGate, match=expected):
         published.verify("adder", "v2", Gate(metric="exact_match", min=0.9))
-    assert published.verify("adder", "v2", Gate(metric="exact_match", min=0.5)).eval == Evaluation(metrics={"exact_match": 0.5}, n=500)
+    assert published.verify("adder", "v2", Gate(metric="exact_match", min=0.5)).eval == Evaluation(
+        metrics={"exact_match": 0.5}, n=500
+    )
     assert published.verify("adder", "v2").version == "v2"  # no gate
 
 
