@@ -79,10 +79,14 @@ def up(config: Path = ConfigOpt, timeout: float = typer.Option(900, help="Second
     model = cfg.models[0].name
     console.print(f"[green]stack {cfg.name!r} is up[/green]")
     print(f"{state.base_url}/v1")
-    console.print(
-        f"try:\n  curl -N {state.base_url}/v1/chat/completions -H 'content-type: application/json' "
+    console.print("try:")
+    # print, not the console: rich wraps at the terminal width and a wrapped command does not paste
+    print(
+        f"  curl -N {state.base_url}/v1/chat/completions -H 'content-type: application/json' "
         f"""-d '{{"model": "{model}", "messages": [{{"role": "user", "content": "37+45="}}], """
-        f""""max_tokens": 8, "stream": true}}'"""
+        f""""max_tokens": 8, "stream": true}}'""",
+        file=sys.stderr,
+        flush=True,
     )
 
 

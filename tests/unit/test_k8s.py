@@ -177,7 +177,7 @@ def test_other_violations_are_rejected(kubectl: str, crds: CrdValidator) -> None
     ports = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]
     ports.append(dict(ports[0]))  # duplicate list-map key (containerPort, protocol)
     errs = _errors(crds, job)
-    assert "RayJob/raystack-train-adder-v2: spec.shutdownAfterJobFinishes: 'yes' is not of type 'boolean'" in errs
+    assert "RayJob/raystack-train: spec.shutdownAfterJobFinishes: 'yes' is not of type 'boolean'" in errs
     assert "spec.activeDeadlineSeconds: 1099511627776 is greater than the maximum" in errs
     assert "spec.rayClusterSpec.headGroupSpec.template.spec.containers[0].ports[3]: duplicate entry" in errs
     cq = copy.deepcopy(_one(objs, "ClusterQueue"))
@@ -297,7 +297,7 @@ def _stack_config(tmp_path: Path, **changes: Any) -> Path:
 
 
 def test_relative_checkpoint_root_is_refused_on_kubernetes(tmp_path: Path) -> None:
-    with pytest.raises(K8sError, match=r"models\[adder\]\.versions\[v1\].*relative.*absolute"):
+    with pytest.raises(K8sError, match=r"models\[llama-8b\]\.versions\[v1\].*relative.*absolute"):
         render_serve_config_v2(_stack_config(tmp_path, checkpoint_root="checkpoints"))
 
 
@@ -310,7 +310,7 @@ def test_loopback_gateway_host_is_refused_on_kubernetes(tmp_path: Path) -> None:
 def test_object_store_checkpoint_root_is_accepted(tmp_path: Path) -> None:
     config = yaml.safe_load(render_serve_config_v2(_stack_config(tmp_path, checkpoint_root="s3://bucket/models")))
     paths = [a["args"]["spec"]["path"] for a in config["applications"] if a["name"] != "gateway"]
-    assert paths == ["s3://bucket/models/adder/v1", "s3://bucket/models/subtractor/v1"]
+    assert paths == ["s3://bucket/models/llama-8b/v1", "s3://bucket/models/llama-70b/v1"]
 
 
 # --- components that no committed overlay uses -------------------------------------------------------
@@ -343,7 +343,9 @@ def test_object_store_component(kubectl: str, crds: CrdValidator, tmp_path: Path
         assert ann["iam.gke.io/gcp-service-account"].endswith(".iam.gserviceaccount.com")
     job = _one(tuple(objs), "RayJob")
     base_job = _one(_render("gpu-prod"), "RayJob")
-    assert job["spec"]["entrypoint"] == base_job["spec"]["entrypoint"].replace("/mnt/checkpoints", uri)
+    words, base_words = job["spec"]["entrypoint"].split(), base_job["spec"]["entrypoint"].split()
+    assert words[words.index("--root") + 1] == uri
+    assert words[:4] + words[5:] == base_words[:4] + base_words[5:]
     serve = yaml.safe_load(_one(tuple(objs), "RayService")["spec"]["serveConfigV2"])
     assert all(a["args"]["spec"]["path"].startswith(uri + "/") for a in serve["applications"][1:])
     egress = next(o for o in objs if o["metadata"]["name"] == "object-store-egress")

@@ -31,7 +31,9 @@ RAY_KINDS = ("RayService", "RayCluster", "RayJob")
 NAMESPACE = "raystack"
 CHECKPOINTS = "/mnt/checkpoints"
 API_KEYS_SECRET = "raystack-api-keys"
-TRAIN_ENTRYPOINT = "python -m training.train --model adder --version v2 --task add --root /mnt/checkpoints"
+TRAIN_ENTRYPOINT = (
+    "python -m training.train --root /mnt/checkpoints --model adder --version v2 --base adder@v1 --data builtin:add --method full"
+)
 PORT_PARAMS = (
     "port",
     "node-manager-port",
@@ -178,8 +180,10 @@ def test_rayjob_rules(overlay: str) -> None:
     if spec["submissionMode"] == "SidecarMode":
         assert "submitterPodTemplate" not in spec and "submitterConfig" not in spec
         assert spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"].get("restartPolicy", "Never") == "Never"
-    if overlay in ("cpu-dev", "gpu-prod"):
+    if overlay == "cpu-dev":
         assert spec["entrypoint"] == TRAIN_ENTRYPOINT
+    if overlay.startswith("gpu-prod"):
+        assert "--base llama-8b@v1 " in spec["entrypoint"]
 
 
 # --- Kueue ------------------------------------------------------------------------------------------
