@@ -1,7 +1,10 @@
-"""Train -> serve -> promote under load -> refuse or roll back broken versions (issue 3).
+"""Fine-tune -> serve beside the base -> promote under load -> refuse or roll back broken versions.
 
-v1 of model ``arith`` is the addition checkpoint the training job built for the main stack
-(copied into this test's own store); v2 is trained here on subtraction, a visibly different task.
+v1 of model ``arith`` is the default addition model the training job built for the main stack,
+brought into this test's own store with ``serving import``. v2 is fine-tuned here from
+``arith@v1`` on a user-style JSONL file of a task the base does not know (``max 37 45=`` ->
+``45``, written by ``python -m training.datasets max``); through the API its answers follow the new
+data at the manifest's score while the base's do not.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from tests.conftest import ROOT, SERVING, Stack, running_stack
 pytestmark = pytest.mark.e2e
 
 PAIRS = [(a, b) for a in range(11, 99, 7) for b in range(3, 90, 13)][:60]
+FINETUNE_STEPS = 300
 
 
 def _config(tmp: Path) -> Path:
@@ -38,7 +42,7 @@ def _config(tmp: Path) -> Path:
                 "name": "arith",
                 "gate": {"metric": "exact_match", "min": 0.9},
                 "versions": [{"version": "v1"}],
-                "engine": {"max_model_len": 64, "dtype": "float32", "max_num_seqs": 32},
+                "engine": {"max_model_len": 256, "dtype": "float32", "max_num_seqs": 32},
             }
         ],
     }
@@ -49,14 +53,25 @@ def _config(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from training.datasets import write_dataset
     from training.train import train
 
     tmp = tmp_path_factory.mktemp("promotion")
     source = ROOT / "checkpoints" / "adder" / "v1"
     if not (source / "manifest.json").exists():  # built by `serving up` of the main stacks
-        train("adder", "v1", "add", str(ROOT / "checkpoints"))
-    shutil.copytree(source, tmp / "store" / "arith" / "v1")
-    train("arith", "v2", "sub", str(tmp / "store"), parent=None)
+        train("adder", "v1", str(ROOT / "checkpoints"), base="init:llama-tiny", data="builtin:add")
+    root = str(tmp / "store")
+    imported = subprocess.run(
+        [SERVING, "import", str(source), "--model", "arith", "--version", "v1", "--root", root],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert imported.returncode == 0, imported.stdout + imported.stderr
+    data, held_out = write_dataset("max", tmp / "max-data")  # the user's JSONL
+    train(
+        "arith", "v2", root, base="arith@v1", data=str(data), eval_data=str(held_out), steps=FINETUNE_STEPS
+    )
     return tmp
 
 
@@ -79,6 +94,8 @@ def _answer(url: str, model: str, prompt: str) -> tuple[int, str]:
 
 
 def _exact(url: str, model: str, op: str) -> float:
+    if op == "max":
+        return sum(_answer(url, model, f"max {a} {b}=") == (200, str(max(a, b))) for a, b in PAIRS) / len(PAIRS)
     want = (lambda a, b: a + b) if op == "+" else (lambda a, b: a - b)
     return sum(_answer(url, model, f"{a}{op}{b}=") == (200, str(want(a, b))) for a, b in PAIRS) / len(PAIRS)
 
@@ -112,6 +129,12 @@ def _promote(stack: Stack, version: str, steps: str = "10,50,100") -> subprocess
 def test_promotion_under_load_then_broken_versions(stack: Stack, store: Path) -> None:
     v1_add = _exact(stack.url, "arith", "+")
     assert v1_add >= 0.9, v1_add
+    manifest = json.loads((store / "store" / "arith" / "v2" / "manifest.json").read_text())
+    assert manifest["base"]["source"] == "store" and manifest["base"]["ref"] == "arith@v1"
+    assert manifest["training"]["method"] == "full" and manifest["training"]["data"]["rows"] > 0
+    v2_score = manifest["eval"]["metrics"]["exact_match"]
+    assert v2_score >= 0.9, manifest["eval"]
+    assert _exact(stack.url, "arith", "max") < 0.2  # the base does not know the new task
 
     stop, outcomes, v1_answers = threading.Event(), Counter[str](), []
 
@@ -162,10 +185,9 @@ def test_promotion_under_load_then_broken_versions(stack: Stack, store: Path) ->
     assert all(s == 200 for s in statuses[:first_404]) and all(s == 404 for s in statuses[first_404:])
     assert _answer(stack.url, "arith@v1", "12+30=")[0] == 404
 
-    # after it: v2's task at v2's manifest score (within a few points)
-    manifest = json.loads((store / "store" / "arith" / "v2" / "manifest.json").read_text())
-    v2_sub = _exact(stack.url, "arith", "-")
-    assert v2_sub >= manifest["eval"]["exact_match"] - 0.05, (v2_sub, manifest["eval"])
+    # after it: v2 answers the new data's task at its manifest's score (within a few points)
+    v2_max = _exact(stack.url, "arith", "max")
+    assert v2_max >= v2_score - 0.05, (v2_max, manifest["eval"])
 
     # v3: corrupt weights -> refused by the registry, nothing deployed
     v3 = store / "store" / "arith" / "v3"
@@ -183,7 +205,7 @@ def test_promotion_under_load_then_broken_versions(stack: Stack, store: Path) ->
     v4 = store / "store" / "arith" / "v4"
     shutil.copytree(store / "store" / "arith" / "v2", v4)
     m4 = json.loads((v4 / "manifest.json").read_text())
-    m4["version"], m4["eval"]["exact_match"] = "v4", 0.31
+    m4["version"], m4["eval"]["metrics"]["exact_match"] = "v4", 0.31
     (v4 / "manifest.json").write_text(json.dumps(m4))
     proc = _promote(stack, "v4")
     assert proc.returncode != 0 and "below the gate" in proc.stdout
@@ -199,13 +221,14 @@ def test_promotion_under_load_then_broken_versions(stack: Stack, store: Path) ->
     m5 = json.loads((v5 / "manifest.json").read_text())
     (v5 / "manifest.json").unlink()
     m5["version"], m5["files"] = "v5", hash_tree(v5)
+    m5["sizes"] = {rel: (v5 / rel).stat().st_size for rel in m5["files"]}
     (v5 / "manifest.json").write_text(json.dumps(m5))
     started = time.monotonic()
     proc = _promote(stack, "v5")
     assert proc.returncode == 1 and "rolled_back" in proc.stdout, proc.stdout + proc.stderr
     print(f"v5 rolled back after {time.monotonic() - started:.0f}s")
     # v2 still serving, alone
-    assert _exact(stack.url, "arith", "-") >= manifest["eval"]["exact_match"] - 0.05
+    assert _exact(stack.url, "arith", "max") >= v2_score - 0.05
     ids = {m["id"] for m in httpx.get(f"{stack.url}/v1/models").json()["data"]}
     assert ids == {"arith", "arith@v2"}
 
