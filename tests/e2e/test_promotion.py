@@ -56,6 +56,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not (source / "manifest.json").exists():  # built by `serving up` of the main stacks
         train("adder", "v1", "add", str(ROOT / "checkpoints"))
     shutil.copytree(source, tmp / "store" / "arith" / "v1")
+    m1 = json.loads((tmp / "store" / "arith" / "v1" / "manifest.json").read_text())
+    m1["model"] = "arith"  # a replica loads a directory only when its manifest names it
+    (tmp / "store" / "arith" / "v1" / "manifest.json").write_text(json.dumps(m1))
     train("arith", "v2", "sub", str(tmp / "store"), parent=None)
     return tmp
 

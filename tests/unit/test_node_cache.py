@@ -180,3 +180,41 @@ def test_local_store_without_manifest_refused(tmp_path: Path) -> None:
 def test_cache_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAYSTACK_CACHE_DIR", str(tmp_path / "elsewhere"))
     assert VerifiedCache().dir == tmp_path / "elsewhere"
+
+
+def test_replica_spec_resolves_through_the_cache(
+    s3_store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from serving.config import EngineConfig
+    from serving.replica.engine import EngineSpec, WeightsRefused, verified_spec
+
+    monkeypatch.setenv("RAYSTACK_CACHE_DIR", str(tmp_path / "node"))
+    spec = EngineSpec(model="m", version="v1", path=s3_store.uri("adder", "v1"), engine=EngineConfig())
+    local = verified_spec(spec)
+    assert Path(local.path).is_relative_to(tmp_path / "node") and local.model_copy(update={"path": spec.path}) == spec
+    bucket, key = s3_store.version_path("adder", "v1").split("/", 1)
+    _boto().put_object(Bucket=bucket, Key=f"{key}/config.json", Body=b'{"model_type": "llamb"}')
+    assert verified_spec(spec) == local  # this node keeps loading the copy it verified
+    monkeypatch.setenv("RAYSTACK_CACHE_DIR", str(tmp_path / "other-node"))  # a node that fetches now
+    with pytest.raises(WeightsRefused, match=r"vLLM for m@v1 from s3://.*file config.json does not match"):
+        verified_spec(spec)
+
+
+def test_serving_up_reports_the_replicas_exception() -> None:
+    from serving.control.stack import _failure
+
+    app = {
+        "status": "DEPLOY_FAILED",
+        "message": "Failed to update the deployments ['m--v2'].",
+        "deployments": {
+            "m--v2": {
+                "status": "DEPLOY_FAILED",
+                "message": "The deployment failed to start 3 times in a row. Error:\n"
+                + "Traceback line\n" * 400
+                + "WeightsRefused: refusing to start vLLM for m@v2: m@v2: file model.safetensors does not match",
+            }
+        },
+    }
+    text = _failure(app)
+    assert text.startswith("Failed to update the deployments") and text.endswith("model.safetensors does not match")
+    assert len(text) < 1700
