@@ -73,8 +73,9 @@ def _fetch_hub(repo_id: str, into: Path) -> Path:
 
         return Path(snapshot_download(repo_id, cache_dir=str(into)))
     except Exception as exc:  # noqa: BLE001 - offline, unknown repo, gated: all end the import
+        reason = " ".join(str(exc).split())  # one line: hub errors span several
         raise ImportFailed(
-            f"cannot download {repo_id} from the Hugging Face hub ({type(exc).__name__}: {exc}); "
+            f"cannot download {repo_id} from the Hugging Face hub ({type(exc).__name__}: {reason}); "
             "without hub access, download it where there is one and import the folder"
         ) from None
 

@@ -75,7 +75,7 @@ def test_cli_import_and_refusals(s3_bucket: str, tmp_path: Path) -> None:
 
 
 def test_hub_without_network_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The hub path cannot be exercised here (no hub); offline, the error says what to do."""
+    """The hub path cannot be exercised here (no hub): offline or unreachable, the error says what to do."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert source_kind("meta-llama/Llama-3.1-8B") == "hub"
     store = CheckpointStore(str(tmp_path / "store"))
