@@ -83,6 +83,8 @@ def build_model(out: str | Path, preset: str = "tiny", max_positions: int | None
     positions = max_positions or p.max_positions
     out = Path(out)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        if not (out / "manifest.json").exists():  # built before replicas verified their weights
+            write_manifest(out, f"init:random-{preset}")
         return out
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -116,7 +118,29 @@ def build_model(out: str | Path, preset: str = "tiny", max_positions: int | None
     (out / "raystack-random-model.json").write_text(
         json.dumps({"preset": preset, "parameters": params, "seed": seed, "max_positions": positions}) + "\n"
     )
+    write_manifest(out, f"init:random-{preset}")
     return out
+
+
+def write_manifest(out: Path, base: str) -> None:
+    """A store version's ``manifest.json`` for the folder, named after its place
+    ``<parent>/<name>`` (model, version): the stack's replicas load only directories whose files
+    match a manifest (serving.node_cache), a benchmark model's too."""
+    from datetime import UTC, datetime
+
+    from serving.registry import MANIFEST, BaseRef, Manifest, architecture_of, hash_tree
+
+    files = hash_tree(out)
+    manifest = Manifest(
+        model=out.resolve().parent.name,
+        version=out.name,
+        architecture=architecture_of(out),
+        base=BaseRef(source="init", ref=base),
+        files=files,
+        sizes={rel: (out / rel).stat().st_size for rel in files},
+        created_at=datetime.now(UTC).replace(microsecond=0),
+    )
+    (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,8 +30,7 @@ import json
 import os
 import re
 import secrets
-import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -55,6 +54,7 @@ __all__ = [
     "architecture_of",
     "VersionExists",
     "VersionNotFound",
+    "check_files",
     "check_name",
     "hash_tree",
     "sha256_file",
@@ -240,18 +240,37 @@ def hash_tree(directory: str | Path) -> dict[str, str]:
     }
 
 
+def check_files(manifest: Manifest, present: set[str], digest: Callable[[str], str]) -> None:
+    """Raise :class:`TamperedVersion` naming the first file that is missing, differs from its
+    sha256 (``digest(rel)``) or is present (in ``present``) without being listed."""
+    ids = {"model": manifest.model, "version": manifest.version}
+    label = f"{manifest.model}@{manifest.version}"
+    for rel, expected in sorted(manifest.files.items()):
+        if rel not in present:
+            raise TamperedVersion(f"{label}: file {rel} is listed in the manifest but missing", **ids)
+        if digest(rel) != expected:
+            raise TamperedVersion(f"{label}: file {rel} does not match its sha256", **ids)
+    extra = sorted(present - set(manifest.files) - {MANIFEST})
+    if extra:
+        raise TamperedVersion(
+            f"{label}: file {extra[0]} is not listed in the manifest "
+            f"({len(extra)} unlisted file(s): {', '.join(extra)})",
+            **ids,
+        )
+
+
 class CheckpointStore:
     """The checkpoint store at ``root`` (local path or fsspec URI).
 
-    ``cache_dir`` is where :meth:`local_path` downloads versions of a non-local store so that an
-    engine can load them from disk.
+    ``cache_dir`` is the node-local cache :meth:`local_path` uses (``serving.node_cache``; default
+    ``$RAYSTACK_CACHE_DIR`` or ``~/.cache/raystack/checkpoints``).
     """
 
     def __init__(self, root: str, cache_dir: str | Path | None = None):
         self.root = root
         self.fs, path = fsspec.core.url_to_fs(root)
         self._root_path = path.rstrip("/") or "/"
-        self._cache_dir = Path(cache_dir or Path.home() / ".cache" / "raystack" / "checkpoints")
+        self._cache_dir = Path(cache_dir) if cache_dir else None
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.root!r})"
@@ -307,12 +326,21 @@ class CheckpointStore:
 
     def manifest(self, model: str, version: str) -> Manifest:
         """The parsed manifest; raises :class:`VersionNotFound` or :class:`IncompleteVersion`."""
+        return self.read_manifest(model, version)[0]
+
+    def read_manifest(self, model: str, version: str) -> tuple[Manifest, bytes]:
+        """The parsed manifest and its exact bytes (whose sha256 keys a node's verified copy).
+
+        The filesystem's listing cache is dropped first: s3fs keeps directory listings for the
+        life of its (shared) instance, and a stale listing would hide a deleted or added file.
+        """
+        self.fs.invalidate_cache()
         path = self.version_path(model, version)
         ids = {"model": model, "version": version}
         if not self.fs.isdir(path):
             raise VersionNotFound(f"{model}@{version} not found in {self.root}", **ids)
         try:
-            raw = self.fs.cat_file(f"{path}/{MANIFEST}")
+            raw = bytes(self.fs.cat_file(f"{path}/{MANIFEST}"))
         except FileNotFoundError:
             raise IncompleteVersion(f"{model}@{version} has no {MANIFEST} (an interrupted publish?)", **ids) from None
         try:
@@ -324,7 +352,7 @@ class CheckpointStore:
                 f"{model}@{version}: {MANIFEST} describes {manifest.model}@{manifest.version}",
                 **ids,
             )
-        return manifest
+        return manifest, raw
 
     def _remote_files(self, path: str) -> Iterator[str]:
         for full in self.fs.find(path):
@@ -334,12 +362,12 @@ class CheckpointStore:
         """Re-hash every file against the manifest, then apply the eval gate."""
         manifest = self.manifest(model, version)
         path = self.version_path(model, version)
-        self._check_files(manifest, set(self._remote_files(path)), self._remote_hash(path))
+        check_files(manifest, set(self._remote_files(path)), self._remote_hash(path))
         if gate is not None:
             gate.check(manifest)
         return manifest
 
-    def _remote_hash(self, base: str) -> Any:
+    def _remote_hash(self, base: str) -> Callable[[str], str]:
         def digest(rel: str) -> str:
             h = hashlib.sha256()
             with self.fs.open(f"{base}/{rel}", "rb") as fh:
@@ -349,50 +377,13 @@ class CheckpointStore:
 
         return digest
 
-    @staticmethod
-    def _check_files(manifest: Manifest, present: set[str], digest: Any) -> None:
-        ids = {"model": manifest.model, "version": manifest.version}
-        label = f"{manifest.model}@{manifest.version}"
-        for rel, expected in sorted(manifest.files.items()):
-            if rel not in present:
-                raise TamperedVersion(f"{label}: file {rel} is listed in the manifest but missing", **ids)
-            if digest(rel) != expected:
-                raise TamperedVersion(f"{label}: file {rel} does not match its sha256", **ids)
-        extra = sorted(present - set(manifest.files) - {MANIFEST})
-        if extra:
-            raise TamperedVersion(
-                f"{label}: file {extra[0]} is not listed in the manifest "
-                f"({len(extra)} unlisted file(s): {', '.join(extra)})",
-                **ids,
-            )
-
     def local_path(self, model: str, version: str) -> str:
-        """A local directory with the version's files that an engine can load.
+        """A local directory with the version's verified files that an engine can load: the
+        version directory itself for a local store, else a node-local copy in ``cache_dir``
+        (:class:`serving.node_cache.VerifiedCache`: fetched and hashed once per node)."""
+        from serving.node_cache import VerifiedCache  # it builds on this module
 
-        A local store returns the version directory itself. Any other store is downloaded once into
-        ``cache_dir`` (into a temporary directory, hash-checked, then renamed into place).
-        """
-        manifest = self.manifest(model, version)
-        if self.is_local:
-            return self.version_path(model, version)
-        digest = hashlib.sha256(self.root.encode()).hexdigest()[:16]
-        target = self._cache_dir / digest / model / version
-        if (target / MANIFEST).is_file():
-            return str(target)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f"{TMP_PREFIX}{version}-{secrets.token_hex(4)}"
-        try:
-            self.fs.get(self.version_path(model, version) + "/", str(tmp), recursive=True)
-            present = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()}
-            self._check_files(manifest, present, lambda rel: sha256_file(tmp / rel))
-            try:
-                os.rename(tmp, target)
-            except OSError:
-                if not (target / MANIFEST).is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return str(target)
+        return VerifiedCache(self._cache_dir).resolve(self, model, version).path
 
     # -- writing -------------------------------------------------------------------------------
 

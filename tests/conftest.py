@@ -9,6 +9,7 @@ started yourself with the generated config and the keys in your environment (the
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -17,12 +18,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import yaml
+
+from tests.support.s3 import S3Server
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING = str(Path(sys.executable).with_name("serving"))
 TEMPLATE = ROOT / "tests" / "integration" / "stack.yaml"
 GENERATED = ROOT / "tests" / "integration" / ".generated-stack.yaml"
+_buckets = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -72,3 +77,32 @@ def running_stack(config: Path, env: dict[str, str] | None = None, reuse: bool =
     finally:
         if not reuse:
             run("down", timeout=300)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """moto's S3 server on loopback for the session, its endpoint and dummy credentials put in
+    this process's environment (restored after) so s3fs and boto3 reach it."""
+    from tests.support.s3 import moto_s3
+
+    saved = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    with moto_s3() as server:
+        for k in saved:
+            del os.environ[k]
+        os.environ.update(server.env)
+        try:
+            yield server
+        finally:
+            for k in server.env:
+                os.environ.pop(k, None)
+            os.environ.update(saved)
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server) -> str:
+    """A new, empty bucket on the session's S3 server."""
+    import boto3
+
+    name = f"raystack-{next(_buckets)}-{os.getpid()}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name

@@ -1,4 +1,4 @@
-"""``serving`` command line: up, down, status, render.
+"""``serving`` command line: up, down, status, render, promote, import...
 
 Every command reads the same stack config file (``--config``, default ``deployments/local.yaml``).
 """
@@ -206,6 +206,32 @@ def versions(model: str = typer.Argument(...), config: Path = ConfigOpt) -> None
         base = f"{man.base.source}:{man.base.ref}" if man.base else "-"
         scores = " ".join(f"{k}={x:.3f}" for k, x in sorted(man.eval.metrics.items())) if man.eval else "no eval"
         print(f"{v:10} base={base} {scores} traffic={live.get(v, 0)}%")
+
+
+@app.command("import")
+def import_(
+    source: str = typer.Argument(..., help="A Hugging Face folder, an fsspec URI of one, or a hub id (org/name)."),
+    model: str = typer.Option(..., "--model", help="Model name in the store."),
+    version: str = typer.Option(..., "--version", help="New version name (an existing one is refused)."),
+    config: Path = ConfigOpt,
+    root: str | None = typer.Option(None, "--root", help="Store root (default: the config's checkpoint_root)."),
+) -> None:
+    """Bring an external model into the checkpoint store: every file hashed into a manifest, with
+    its architecture and where it came from (``base``); no eval, so an eval gate refuses it."""
+    from serving.control.importer import ImportFailed, import_model
+    from serving.registry import CheckpointStore, RegistryError
+
+    store = CheckpointStore(root) if root else _store(_load(config, live=False), config)
+    try:
+        manifest = import_model(source, store, model, version, log=console.print)
+    except (ImportFailed, RegistryError, ValueError, OSError) as exc:
+        console.print(f"import failed: {exc}", style="red", markup=False)
+        raise typer.Exit(2) from None
+    size = sum(manifest.sizes.values())
+    print(
+        f"imported {model}@{version} ({manifest.architecture or 'unknown architecture'}, "
+        f"{len(manifest.files)} files, {size / 1e6:.1f} MB) into {store.uri(model, version)}"
+    )
 
 
 @app.command("render-k8s")

@@ -215,12 +215,23 @@ def wait_running(state: StackState, apps: list[str], timeout_s: float, log: Any 
             last[0] = line
         failed = [a for a, s in statuses.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")]
         if failed:
-            msg = details[failed[0]].get("message", "")
-            raise RuntimeError(f"application {failed[0]} failed: {msg[:2000]}")
+            raise RuntimeError(f"application {failed[0]} failed: {_failure(details[failed[0]])}")
         return all(s == "RUNNING" for s in statuses.values())
 
     if not poll(running, timeout_s, 2):
         raise TimeoutError(f"applications not RUNNING after {timeout_s:.0f}s: {last[0]}")
+
+
+def _failure(app: dict[str, Any]) -> str:
+    """The application's message and its failed deployments' (Serve puts the replica's exception,
+    e.g. which checkpoint file was refused, only in the latter), each cut to its last 1500
+    characters: the exception's own line ends a traceback."""
+    parts = [str(app.get("message", ""))] + [
+        f"{name}: {d['message']}"
+        for name, d in app.get("deployments", {}).items()
+        if d.get("status") in ("DEPLOY_FAILED", "UNHEALTHY") and d.get("message")
+    ]
+    return "\n".join(p if len(p) <= 1500 else "..." + p[-1500:] for p in parts if p)
 
 
 def wait_http(base_url: str, timeout_s: float = 60) -> None:

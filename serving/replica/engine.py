@@ -1,6 +1,7 @@
 """Engine options: the stack config's model section -> vLLM server command line and environment.
 
-Pure functions, no Ray or vLLM import, so they are unit-tested and reused by the renderer.
+Pure functions, no Ray or vLLM import, so they are unit-tested and reused by the renderer; and
+:func:`verified_spec`, which a replica calls before it starts vLLM.
 """
 
 from __future__ import annotations
@@ -10,17 +11,21 @@ import os
 from pydantic import BaseModel, ConfigDict
 
 from serving.config import ConfigError, EngineConfig, ModelConfig
+from serving.node_cache import VerifiedCache
+from serving.registry import RegistryError
 from serving.replica.placement import cpu_bind_groups
 
 __all__ = [
     "OFFLINE_ENV",
     "VLLM_SERVER_MODULE",
+    "WeightsRefused",
     "EngineSpec",
     "check_layout",
     "engine_args",
     "engine_environ",
     "single_process",
     "vllm_command",
+    "verified_spec",
     "vllm_env",
 ]
 
@@ -58,6 +63,24 @@ class EngineSpec(BaseModel):
     @property
     def world_size(self) -> int:
         return self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size
+
+
+class WeightsRefused(RuntimeError):
+    """The version's files do not match its manifest (or it has none): vLLM is not started."""
+
+
+def verified_spec(spec: EngineSpec, cache_dir: str | None = None) -> EngineSpec:
+    """``spec`` with ``path`` replaced by a local directory whose every file matched the version's
+    manifest (:class:`serving.node_cache.VerifiedCache`; ``path`` is ``<store root>/<model>/<version>``,
+    local or any fsspec URI). Raising here fails the replica's constructor, so Serve retries it a
+    few times and then marks the deployment DEPLOY_FAILED with this message, naming the file."""
+    try:
+        resolved = VerifiedCache(cache_dir).resolve_uri(spec.path)
+    except (RegistryError, ValueError, OSError) as exc:
+        raise WeightsRefused(
+            f"refusing to start vLLM for {spec.model}@{spec.version} from {spec.path}: {exc}"
+        ) from None
+    return spec.model_copy(update={"path": resolved.path})
 
 
 def _flag(name: str) -> str:

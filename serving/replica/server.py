@@ -35,7 +35,7 @@ import httpx
 
 from serving import contract
 from serving.contract import RUNNING_REQUESTS_KEY, Endpoint, LeaseHint
-from serving.replica.engine import EngineSpec, engine_environ, single_process, vllm_command
+from serving.replica.engine import EngineSpec, engine_environ, single_process, verified_spec, vllm_command
 from serving.replica.liveness import PROGRESS_COUNTERS, StallWatch
 from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid
 from serving.waiting import poll
@@ -143,7 +143,8 @@ class ModelServer:
     """Serve deployment class; the app builder wraps it with ``serve.deployment`` options."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        self.spec = EngineSpec.model_validate(spec)
+        # the weights first: a tampered or partial version fails here, before any engine starts
+        self.spec = verified_spec(EngineSpec.model_validate(spec))
         self.host = _node_ip()
         self.port = free_port(self.host)
         self.token = secrets.token_urlsafe(24)

@@ -1,0 +1,107 @@
+"""``serving import``: bring a model made elsewhere into the checkpoint store as a version.
+
+The source is a local Hugging Face folder, an fsspec URI of one (``s3://``, ``gs://``...) or a hub
+id (``org/name``). A remote source is downloaded into a temporary folder first; then the folder is
+published like a trained version (:meth:`CheckpointStore.publish`: sha256 and size of every file,
+``architecture`` from ``config.json``, the manifest last), with ``base`` saying where it came from
+and no ``eval``. Hidden entries (``.git``, ``.cache``) are left out. A version that exists is
+refused before anything is downloaded: versions are immutable.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import fsspec
+
+from serving.registry import CheckpointStore, Manifest, VersionExists, check_name
+
+__all__ = ["ImportFailed", "import_model", "source_kind"]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class ImportFailed(RuntimeError):
+    """The source cannot be read or is not a Hugging Face model folder."""
+
+
+def source_kind(source: str) -> Literal["folder", "uri", "hub"]:
+    """``uri`` for anything with a protocol, ``folder`` for an existing directory, ``hub`` for an
+    ``org/name`` that is not a directory here."""
+    if "://" in source:
+        return "uri"
+    if Path(source).is_dir():
+        return "folder"
+    if _HUB_ID.fullmatch(source):
+        return "hub"
+    raise ImportFailed(f"{source}: no such folder, and not a URI or a hub id (org/name)")
+
+
+def _visible(directory: Path) -> bool:
+    return not any(part.startswith(".") for part in directory.parts)
+
+
+def _stage(folder: Path, into: Path) -> Path:
+    """``folder`` itself, or a copy without its hidden entries when it has any."""
+    if all(_visible(p.relative_to(folder)) for p in folder.rglob("*")):
+        return folder
+    shutil.copytree(folder, into, ignore=shutil.ignore_patterns(".*"))
+    return into
+
+
+def _fetch_uri(uri: str, into: Path) -> Path:
+    fs, path = fsspec.core.url_to_fs(uri)
+    path = path.rstrip("/")
+    if not fs.isdir(path):
+        raise ImportFailed(f"{uri}: no such folder")
+    for full in fs.find(path):
+        rel = full[len(path) :].lstrip("/")
+        if _visible(Path(rel)):
+            (into / rel).parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(full, str(into / rel))
+    return into
+
+
+def _fetch_hub(repo_id: str, into: Path) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, cache_dir=str(into)))
+    except Exception as exc:  # noqa: BLE001 - offline, unknown repo, gated: all end the import
+        reason = " ".join(str(exc).split())  # one line: hub errors span several
+        raise ImportFailed(
+            f"cannot download {repo_id} from the Hugging Face hub ({type(exc).__name__}: {reason}); "
+            "without hub access, download it where there is one and import the folder"
+        ) from None
+
+
+def import_model(
+    source: str, store: CheckpointStore, model: str, version: str, log: Callable[[str], None] = print
+) -> Manifest:
+    """Publish ``source`` as ``model@version`` of ``store``; returns its manifest."""
+    check_name("model", model), check_name("version", version)
+    if store.exists(model, version):
+        raise VersionExists(
+            f"{model}@{version} already exists at {store.uri(model, version)}; pick a new version name",
+            model=model,
+            version=version,
+        )
+    kind = source_kind(source)
+    with tempfile.TemporaryDirectory(prefix="raystack-import-") as tmp:
+        if kind == "folder":
+            folder = _stage(Path(source), Path(tmp) / "staged")
+        elif kind == "uri":
+            log(f"downloading {source} ...")
+            folder = _fetch_uri(source, Path(tmp) / "staged")
+        else:
+            log(f"downloading {source} from the Hugging Face hub ...")
+            folder = _fetch_hub(source, Path(tmp) / "hub")
+        if not (folder / "config.json").is_file():
+            raise ImportFailed(f"{source}: not a Hugging Face model folder (no config.json)")
+        ref = str(Path(source).resolve()) if kind == "folder" else source
+        return store.publish(folder, {"model": model, "version": version, "base": {"source": kind, "ref": ref}})

@@ -1,0 +1,92 @@
+"""Versions from S3 (moto's server on loopback) on the real stack: ``subtractor@v1`` was brought in
+with ``serving import`` and every replica verified it before its engine started; a tampered
+object is refused before any engine starts, with the file named, and the live versions go on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serving.config import ModelVersion, load_config
+from serving.control.serve_config import app_name, build_serve_config
+from serving.control.stack import StackState, deploy, wait_running
+from tests.conftest import ROOT, SERVING, Stack
+from tests.integration.conftest import BUCKET, s3_client
+
+
+@pytest.fixture(scope="module")
+def s3_env(stack: Stack, s3_stack_env: dict[str, str]) -> dict[str, str]:
+    if not s3_stack_env:
+        pytest.skip("a reused stack: no S3 server of this run")
+    return s3_stack_env
+
+
+def _ask(stack: Stack, model: str, prompt: str) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0}
+    r = httpx.post(f"{stack.url}/v1/completions", json=body, headers=stack.headers(), timeout=60)
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"]).strip()
+
+
+def test_s3_version_verified_on_the_node_and_served(stack: Stack, s3_env: dict[str, str]) -> None:
+    assert load_config(stack.config).checkpoint_root == f"s3://{BUCKET}/store"
+    markers = list(Path(s3_env["RAYSTACK_CACHE_DIR"]).glob("subtractor/v1/*.verified.json"))
+    assert len(markers) == 1  # one fetch and verification for the node, whatever the replicas
+    marker = json.loads(markers[0].read_text())
+    assert marker["source"] == f"s3://{BUCKET}/store/subtractor/v1" and "model.safetensors" in marker["files"]
+    assert _ask(stack, "subtractor", "50-8=") == "42"  # the trained weights, through the gateway
+
+
+def test_tampered_s3_version_refused_before_the_engine(stack: Stack, s3_env: dict[str, str]) -> None:
+    env = {**os.environ, **s3_env}
+    src = str(ROOT / "checkpoints" / "subtractor" / "v1")
+    cmd = [SERVING, "import", src, "--model", "subtractor", "--version", "v2", "-c", str(stack.config)]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=120, capture_output=True)
+    s3 = s3_client(s3_env)
+    key = "store/subtractor/v2/model.safetensors"
+    size = s3.head_object(Bucket=BUCKET, Key=key)["ContentLength"]
+    s3.put_object(Bucket=BUCKET, Key=key, Body=b"\x00" * size)  # same size, other bytes
+
+    # a promotion verifies first: refused, nothing deployed
+    proc = subprocess.run(
+        [SERVING, "promote", "subtractor", "v2", "-c", str(stack.config)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0 and "refused" in out and "file model.safetensors does not match" in out, out
+
+    # deployed anyway (as if tampered after that check): the replica refuses before vLLM starts
+    cfg = load_config(stack.config)
+    state = StackState.load(cfg.name)
+    assert state is not None
+    m = cfg.model("subtractor")
+    bad = cfg.model_copy(
+        update={
+            "models": [
+                x.model_copy(update={"versions": [*x.versions, ModelVersion(version="v2", weight=0)]})
+                if x.name == "subtractor"
+                else x
+                for x in cfg.models
+            ]
+        }
+    )
+    base = stack.config.resolve().parent
+    try:
+        deploy(state, build_serve_config(bad, base))
+        with pytest.raises(RuntimeError) as failed:
+            wait_running(state, [app_name(m.name, "v2")], 300, log=lambda _m: None)
+        message = " ".join(str(failed.value).split())
+        assert "refusing to start vLLM for subtractor@v2" in message, message
+        assert "file model.safetensors does not match its sha256" in message, message
+    finally:
+        deploy(state, build_serve_config(cfg, base))
+    assert _ask(stack, "subtractor", "50-8=") == "42"  # v1 serves on

@@ -1,0 +1,85 @@
+"""``serving import``: a folder or an s3:// folder into a local or S3 store; refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from serving.control.importer import ImportFailed, import_model, source_kind
+from serving.node_cache import VerifiedCache
+from serving.registry import CheckpointStore, VersionExists
+from tests.conftest import ROOT
+from tests.unit.test_registry import fake_checkpoint
+
+
+def hf_folder(directory: Path) -> Path:
+    fake_checkpoint(directory)
+    (directory / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (directory / ".git").mkdir()
+    (directory / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    return directory
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "serving.control.cli", "import", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_folder_into_s3_store_then_served_from_the_cache(s3_bucket: str, tmp_path: Path) -> None:
+    src = hf_folder(tmp_path / "llama")
+    store = CheckpointStore(f"s3://{s3_bucket}/store")
+    manifest = import_model(str(src), store, "llama-8b", "v1", log=lambda _: None)
+    assert manifest.architecture == "LlamaForCausalLM" and manifest.eval is None
+    assert manifest.base is not None and (manifest.base.source, manifest.base.ref) == ("folder", str(src))
+    assert sorted(manifest.files) == ["config.json", "model.safetensors", "tokenizer/tokenizer.json"]  # no .git
+    assert manifest.sizes["model.safetensors"] == 900
+    assert store.list_versions("llama-8b") == ["v1"] and store.verify("llama-8b", "v1") == manifest
+    assert VerifiedCache(tmp_path / "cache").resolve(store, "llama-8b", "v1").action == "downloaded"
+    with pytest.raises(VersionExists, match="llama-8b@v1 already exists"):
+        import_model(str(src), store, "llama-8b", "v1", log=lambda _: None)
+
+
+def test_s3_source_into_local_store(s3_bucket: str, tmp_path: Path) -> None:
+    import fsspec
+
+    src = hf_folder(tmp_path / "llama")
+    fs = fsspec.filesystem("s3")
+    fs.put(str(src) + "/", f"{s3_bucket}/upstream/llama/", recursive=True)
+    store = CheckpointStore(str(tmp_path / "store"))
+    manifest = import_model(f"s3://{s3_bucket}/upstream/llama", store, "llama", "v2", log=lambda _: None)
+    assert manifest.base is not None and manifest.base.source == "uri"
+    assert sorted(manifest.files) == ["config.json", "model.safetensors", "tokenizer/tokenizer.json"]
+    assert store.verify("llama", "v2") == manifest
+
+
+def test_cli_import_and_refusals(s3_bucket: str, tmp_path: Path) -> None:
+    src = hf_folder(tmp_path / "llama")
+    root = f"s3://{s3_bucket}/cli"
+    ok = cli(str(src), "--model", "llama-8b", "--version", "v1", "--root", root)
+    assert ok.returncode == 0, ok.stderr
+    assert "imported llama-8b@v1 (LlamaForCausalLM, 3 files" in ok.stdout and f"{root}/llama-8b/v1" in ok.stdout
+    again = cli(str(src), "--model", "llama-8b", "--version", "v1", "--root", root)
+    assert again.returncode == 2 and "already exists" in " ".join(again.stderr.split())
+    (tmp_path / "nocfg").mkdir()
+    bad = cli(str(tmp_path / "nocfg"), "--model", "x", "--version", "v1", "--root", str(tmp_path / "store"))
+    assert bad.returncode == 2 and "not a Hugging Face model folder (no config.json)" in " ".join(bad.stderr.split())
+
+
+def test_hub_without_network_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hub path cannot be exercised here (no hub): offline or unreachable, the error says what to do."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert source_kind("meta-llama/Llama-3.1-8B") == "hub"
+    store = CheckpointStore(str(tmp_path / "store"))
+    with pytest.raises(ImportFailed, match="cannot download meta-llama/Llama-3.1-8B.*import the folder"):
+        import_model("meta-llama/Llama-3.1-8B", store, "llama-8b", "v1", log=lambda _: None)
+    with pytest.raises(ImportFailed, match="no such folder"):
+        source_kind(str(tmp_path / "missing"))
