@@ -2,14 +2,18 @@
 
 Why it looks like this:
 
-* Batches are drawn from a generator seeded by ``(seed, step, rank)``, so a run resumed from a
-  checkpoint sees exactly the batches an uninterrupted run would have seen.
-* Every ``checkpoint_every`` steps rank 0 reports a Ray Train checkpoint with the model, optimizer
-  and LR-schedule state; on restart ``ray.train.get_checkpoint()`` hands it back and the loop
-  continues from that step instead of step 0.
-* After the last step all ranks score a shard of the held-out set with greedy decoding, and rank 0
-  reports a final checkpoint holding the Hugging Face model directory (``hf/``) and ``result.json``;
-  the driver publishes that directory to the checkpoint store.
+* The driver tokenizes the data once and puts it in Ray's object store; every rank reads the same
+  encoded rows, so ranks agree on the data without each re-rendering thousands of templates.
+* Batches are drawn from a generator seeded by ``(seed, step, rank)`` and padded to their longest
+  row, so a run resumed from a checkpoint sees exactly the batches an uninterrupted run would have
+  seen, and no compute goes to padding beyond the batch's own longest row.
+* Every ``checkpoint_every`` steps all ranks call ``ray.train.report`` and rank 0 attaches the
+  model, optimizer and schedule state; on restart ``ray.train.get_checkpoint()`` hands it back and
+  the loop continues from that step. Progress between checkpoints goes to the driver's progress
+  board (:mod:`training.progress`), not through ``report``.
+* After the last step all ranks score a shard of the evaluation rows (:mod:`training.evaluate`)
+  and rank 0 reports a final checkpoint with the Hugging Face folder (``hf/``) and ``result.json``;
+  the folder holds the new weights and the base's own tokenizer files, copied byte for byte.
 """
 
 from __future__ import annotations
@@ -17,31 +21,37 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from training.data import exact_match, make_split
-from training.model import build_model, encode_examples, greedy_answers
-from training.tokenizer import save_tokenizer
+from training.encode import IGNORE
+from training.evaluate import evaluate
 
-__all__ = ["RunSpec", "train_loop_per_worker"]
+__all__ = ["HF_DIR", "RESULT_FILE", "RunSpec", "copy_tokenizer_files", "train_loop_per_worker"]
 
 STATE_FILE = "state.pt"
 RESULT_FILE = "result.json"
 HF_DIR = "hf"
+RECENT = 50
+POOL = 8  # rows drawn per batch row, to group rows of similar length
+# Files of a base folder that are not carried to the trained version: weights and the configs
+# ``save_pretrained`` rewrites, plus the store's own manifest.
+_NOT_COPIED = ("config.json", "generation_config.json", "manifest.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
-# Ray Train routes worker logging to the driver's terminal and to its per-worker log files
-# (``ray-train-app-worker-*.log``); a plain print() would show up twice on the terminal.
 logger = logging.getLogger("training")
 
 
@@ -50,43 +60,60 @@ class RunSpec:
     """Everything a worker needs; it crosses to the workers as a plain dict."""
 
     label: str
-    task: str
-    size: str
+    base_dir: str
     steps: int
     seed: int
     batch_size: int
-    peak_lr: float
+    lr: float
+    warmup: float
+    weight_decay: float
     checkpoint_every: int
-    log_every: int
-    parent_dir: str | None = None
+    train_rows: Any  # ObjectRef of list[tuple[list[int], list[int]]]
+    eval_items: Any  # ObjectRef of list[EvalItem]
+    stop_ids: list[int]
+    pad_id: int
+    board: Any = None  # ProgressBoard actor handle
+    post_every: int = 10
+    threads: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _log(rank: int, message: str) -> None:
-    if rank == 0:
-        logger.info(message)
+def copy_tokenizer_files(base_dir: str | Path, out: str | Path) -> list[str]:
+    """Copy the base folder's top-level non-weight files (tokenizer, template, licence...)."""
+    copied = []
+    for path in sorted(Path(base_dir).iterdir()):
+        if not path.is_file() or path.name in _NOT_COPIED or path.name.startswith("."):
+            continue
+        if path.name.endswith(_WEIGHT_SUFFIXES) or path.name.endswith(".index.json"):
+            continue
+        shutil.copy2(path, Path(out) / path.name)
+        copied.append(path.name)
+    return copied
 
 
-def _mean_across_ranks(value: float, device: torch.device) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor)
-        tensor /= dist.get_world_size()
-    return float(tensor.item())
+def _batch(rows: list[tuple[list[int], list[int]]], size: int, spec: RunSpec, step: int, rank: int, pad: int):  # type: ignore[no-untyped-def]
+    """Seeded rows of one step, right-padded to the batch's longest row.
+
+    ``size * POOL`` rows are drawn uniformly and sorted by length, and a random window of ``size``
+    of them is the batch: every row stays equally likely, but a batch holds rows of similar
+    length, so far less compute goes to padding than with a plain uniform draw.
+    """
+    rng = np.random.default_rng([spec.seed, step, rank])
+    pool = sorted(rng.integers(0, len(rows), size=size * POOL).tolist(), key=lambda i: len(rows[i][0]))
+    offset = int(rng.integers(0, len(pool) - size + 1))
+    picked = [rows[i] for i in pool[offset : offset + size]]
+    width = max(len(ids) for ids, _ in picked)
+    ids = torch.full((size, width), pad, dtype=torch.long)
+    labels = torch.full((size, width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((size, width), dtype=torch.long)
+    for i, (row_ids, row_labels) in enumerate(picked):
+        ids[i, : len(row_ids)] = torch.tensor(row_ids)
+        labels[i, : len(row_labels)] = torch.tensor(row_labels)
+        mask[i, : len(row_ids)] = 1
+    return ids, labels, mask
 
 
-def _sum_across_ranks(value: int, device: torch.device) -> int:
-    tensor = torch.tensor([value], dtype=torch.long, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor)
-    return int(tensor.item())
-
-
-def _batch(n_rows: int, size: int, seed: int, step: int, rank: int) -> torch.Tensor:
-    rng = np.random.default_rng([seed, step, rank])
-    return torch.from_numpy(rng.integers(0, n_rows, size=size))
-
-
-def _restore(model: LlamaForCausalLM, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+def _restore(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return {"step": 0, "loss": float("nan")}
@@ -100,7 +127,7 @@ def _restore(model: LlamaForCausalLM, optimizer: Any, scheduler: Any) -> dict[st
 
 
 def _report(metrics: dict[str, Any], rank: int, step: int, state: dict[str, Any] | None, extra: Any = None) -> None:
-    """Report metrics from every rank; rank 0 attaches a checkpoint when ``state`` is given."""
+    """Report from every rank (Ray Train expects it); rank 0 attaches a checkpoint."""
     if state is None or rank != 0:
         ray.train.report(metrics)
         return
@@ -115,110 +142,109 @@ def _report(metrics: dict[str, Any], rank: int, step: int, state: dict[str, Any]
         )
 
 
+def _mean_across_ranks(value: float) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+        tensor /= dist.get_world_size()
+    return float(tensor.item())
+
+
+def _setup(spec: RunSpec, world: int) -> tuple[Any, Any, Any]:
+    model = AutoModelForCausalLM.from_pretrained(spec.base_dir, dtype=torch.float32)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=spec.lr)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=spec.lr, total_steps=spec.steps, pct_start=spec.warmup, anneal_strategy="cos"
+    )
+    return model, optimizer, scheduler
+
+
+def quiet_worker_logs() -> None:
+    """Drop Ray Train's per-report INFO line and transformers' progress bars on this worker.
+
+    Ray Train's context module names its logger after its *file path*, so the ``ray.train`` log
+    level (``RunConfig.logging_config``) does not reach it and every ``report()`` is printed;
+    raising that one logger to WARNING keeps its warnings and errors.
+    """
+    from ray.train.v2._internal.execution import context
+    from transformers.utils import logging as hf_logging
+
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+    hf_logging.disable_progress_bar()
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point (one call per rank)."""
+    quiet_worker_logs()
     spec = RunSpec(**config)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.get_local_world_size()))
-
-    split = make_split(spec.task, spec.seed)
-    inputs, labels = (t.to(device) for t in encode_examples(split.train))
-    model = (
-        LlamaForCausalLM.from_pretrained(spec.parent_dir, dtype=torch.float32)
-        if spec.parent_dir
-        else build_model(spec.size, spec.seed)
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.peak_lr, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=spec.peak_lr, total_steps=spec.steps)
+    torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // ctx.get_local_world_size()))
+    rows: list[tuple[list[int], list[int]]] = ray.get(spec.train_rows)
+    model, optimizer, scheduler = _setup(spec, world)
     restored = _restore(model, optimizer, scheduler)
     start = restored["step"]
     ddp = ray.train.torch.prepare_model(model)
     per_rank = max(1, spec.batch_size // world)
-    if start:
-        _log(rank, f"[{spec.label}] resuming from step {start}/{spec.steps} (Ray Train checkpoint)")
-    else:
+    if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        _log(
-            rank,
-            f"[{spec.label}] starting: {n_params:,} parameters, {world} worker(s) x {per_rank} "
-            f"rows per step, {spec.steps} steps, device {device}",
+        what = f"resuming at step {start}" if start else "starting"
+        logger.info(
+            f"[{spec.label}] {what}: {n_params:,} parameters, {world} worker(s) x {per_rank} rows "
+            f"x {torch.get_num_threads()} thread(s), {len(rows)} rows, {spec.steps} steps"
         )
-
-    loss_value, window, t0 = restored["loss"], [], time.monotonic()
+    # the reported loss is the mean of the last RECENT steps: the run's current level, not its history
+    window: deque[float] = deque(maxlen=RECENT)
+    loss_value, t0 = restored["loss"], time.monotonic()
     for step in range(start + 1, spec.steps + 1):
         ddp.train()
-        idx = _batch(len(inputs), per_rank, spec.seed, step, rank).to(device)
-        loss = ddp(input_ids=inputs[idx], labels=labels[idx]).loss
+        ids, labels, mask = _batch(rows, per_rank, spec, step, rank, spec.pad_id)
+        loss = ddp(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
         window.append(loss.item())
-
-        checkpoint_now = step % spec.checkpoint_every == 0 and step < spec.steps
-        if not (step % spec.log_every == 0 or checkpoint_now or step == spec.steps):
-            continue
-        loss_value = _mean_across_ranks(sum(window) / len(window), device)
-        window = []
-        elapsed = time.monotonic() - t0
-        eta = elapsed / (step - start) * (spec.steps - step)
-        lr = scheduler.get_last_lr()[0]
-        _log(
-            rank,
-            f"[{spec.label}] step {step}/{spec.steps} loss {loss_value:.4f} lr {lr:.2e} "
-            f"elapsed {elapsed:.0f}s eta {eta:.0f}s" + (" (checkpoint)" if checkpoint_now else ""),
-        )
-        metrics = {"step": step, "loss": loss_value, "lr": lr, "elapsed_s": elapsed}
-        metrics |= {"eta_s": eta, "resumed_from_step": start}
-        state = None
-        if checkpoint_now:
+        if rank == 0 and spec.board is not None and (step % spec.post_every == 0 or step == spec.steps):
+            eta = (time.monotonic() - t0) / (step - start) * (spec.steps - step)
+            last = list(window)[-spec.post_every :]
+            post = {"step": step, "loss": sum(last) / len(last)}
+            spec.board.post.remote(post | {"lr": scheduler.get_last_lr()[0], "eta_s": eta})
+        if step % spec.checkpoint_every == 0 and step < spec.steps:
+            loss_value = _mean_across_ranks(sum(window) / len(window))
             state = {"step": step, "loss": loss_value, "model": model.state_dict()}
             state |= {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
-        _report(metrics, rank, step, state)
+            _report({"step": step, "loss": loss_value}, rank, step, state)
+    if window:
+        loss_value = _mean_across_ranks(sum(window) / len(window))
+    _finish(spec, model, rank, world, start, loss_value, time.monotonic() - t0)
 
-    _finish(spec, model, rank, world, device, start, loss_value, time.monotonic() - t0)
 
-
-def _finish(
-    spec: RunSpec,
-    model: LlamaForCausalLM,
-    rank: int,
-    world: int,
-    device: torch.device,
-    start: int,
-    final_loss: float,
-    train_s: float,
-) -> None:
-    """Score the held-out set (sharded over ranks); rank 0 reports the final HF checkpoint."""
+def _finish(spec: RunSpec, model: Any, rank: int, world: int, start: int, final_loss: float, train_s: float) -> None:
+    """Score the evaluation rows (sharded over ranks); rank 0 reports the final HF checkpoint."""
     t0 = time.monotonic()
-    held_out = make_split(spec.task, spec.seed).eval
-    shard = held_out[rank::world]
-    hits = round(exact_match(lambda prompts: greedy_answers(model, prompts), shard) * len(shard))
-    score = _sum_across_ranks(hits, device) / len(held_out)
+    tokenizer = AutoTokenizer.from_pretrained(spec.base_dir)
+    items = ray.get(spec.eval_items)
+    metrics, n = evaluate(model, tokenizer, items, set(spec.stop_ids), rank, world)
     eval_s = time.monotonic() - t0
-    _log(
-        rank,
-        f"[{spec.label}] held-out exact match {score:.4f} on {len(held_out)} prompts "
-        f"(train {train_s:.0f}s, eval {eval_s:.1f}s)",
-    )
-    result = {
-        "steps": spec.steps,
-        "final_loss": final_loss,
-        "resumed_from_step": start,
-        "train_s": round(train_s, 1),
-        "eval": {"exact_match": score, "n": len(held_out)},
-    }
+    if rank == 0:
+        logger.info(
+            f"[{spec.label}] eval on {n} rows: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if "/" not in k)
+            + f" (train {train_s:.0f}s, eval {eval_s:.1f}s)"
+        )
+    result: dict[str, Any] = {"steps": spec.steps, "final_loss": final_loss, "resumed_from_step": start}
+    result |= {"train_s": round(train_s, 1), "eval_s": round(eval_s, 1), "metrics": metrics, "n": n}
 
     def write_hf(directory: Path) -> None:
         hf = directory / HF_DIR
         model.cpu().save_pretrained(hf)
-        save_tokenizer(hf)
+        copy_tokenizer_files(spec.base_dir, hf)
         (directory / RESULT_FILE).write_text(json.dumps(result))
 
     state = {"step": spec.steps, "loss": final_loss, "model": model.state_dict()}
-    metrics = {"step": spec.steps, "loss": final_loss, "exact_match": score, "done": True}
-    _report(metrics, rank, spec.steps, state, write_hf)
+    _report({"step": spec.steps, "loss": final_loss, "done": True}, rank, spec.steps, state, write_hf)

@@ -1,37 +1,47 @@
-"""Train a small Llama on an arithmetic task with Ray Train; publish it as a versioned checkpoint.
+"""Fine-tune any Hugging Face causal LM on JSONL data with Ray Train; publish a versioned checkpoint.
 
 Usage::
 
-    python -m training.train --model adder --version v1 --task add --root ./checkpoints
+    python -m training.train --model support-bot --version v2 --base <ref> --data train.jsonl \\
+        [--eval eval.jsonl] --method full --root ./checkpoints [--steps N] [--workers N]
 
-The driver (this module) checks that the version is new, runs ``TorchTrainer`` (DDP over
-``--workers`` ranks, GPUs when the cluster has enough of them), then publishes the final Hugging
-Face directory through :class:`serving.registry.CheckpointStore` (temp dir, manifest last, rename).
-Ray Train keeps resumable state under ``<root>/<model>/.runs/<version>``; running the same command
-again after a crash continues from the last checkpoint, and the state is removed once the version
-is published. The per-rank loop lives in :mod:`training.loop`.
+``--base`` is ``init:<family>-<size>``, ``model@version`` of the store, a local folder, an fsspec
+URI or a hub id (:mod:`training.bases`); ``--data``/``--eval`` are JSONL files or URIs in OpenAI's
+fine-tuning formats, or ``builtin:<task>`` (:mod:`training.jsonl`). The driver (this module)
+resolves and tokenizes everything once, checks that the version is new, runs ``TorchTrainer``
+(DDP over ``--workers`` ranks, GPUs when the cluster has enough), then publishes the final folder
+through :class:`serving.registry.CheckpointStore` (temp dir, manifest last, rename). Ray Train
+keeps resumable state under ``<root>/<model>/.runs/<version>``: the same command after a crash
+continues from the last checkpoint; the state is removed once the version is published.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from serving.registry import CheckpointStore, RegistryError, check_name
-from training.data import TASKS
-from training.model import SIZES
+from training.bases import BaseError, ResolvedBase, resolve_base
+from training.encode import EncodeError
+from training.jsonl import DataError, Dataset, resolve_data
 
-__all__ = ["DEFAULT_CHECKPOINT_EVERY", "TrainingError", "main", "train"]
+__all__ = ["DEFAULT_CHECKPOINT_EVERY", "METHODS", "TrainingError", "default_hyperparameters", "main", "train"]
 
 DEFAULT_CHECKPOINT_EVERY = 200
-LOG_EVERY = 50
+METHODS = ("full", "lora")
 JOB_FILE = "job.json"
+DEFAULT_WORKERS = 2
+CACHE_DIR = Path(os.environ.get("RAYSTACK_CACHE", Path.home() / ".cache" / "raystack"))
 
 
 class TrainingError(RuntimeError):
@@ -54,17 +64,24 @@ def code_revision() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def _resolve_size(store: CheckpointStore, model: str, size: str | None, parent: str | None) -> str:
-    if parent is None:
-        size = size or "tiny"
-    else:
-        parent_size = store.verify(model, parent).size
-        if size not in (None, parent_size):
-            raise TrainingError(f"--size {size} differs from parent {model}@{parent} ({parent_size})")
-        size = parent_size
-    if size not in SIZES:
-        raise TrainingError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
-    return size
+def _weights_params(directory: str) -> int:
+    """Parameter count estimated from the weight files' size (float32 or half, 4 bytes assumed)."""
+    return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors")) // 4
+
+
+def default_hyperparameters(base: ResolvedBase, rows: int) -> dict[str, Any]:
+    """Defaults that train the project's tiny bases from scratch and stay sane for a real base.
+
+    From scratch (``init:``) a high one-cycle peak learns a small model fast; a pretrained base
+    takes a much smaller step so a fine-tune does not wipe what it knows (smaller still above
+    ~100M parameters), with about three passes over the data, within bounds.
+    """
+    if base.is_init:
+        return {"steps": 700, "batch_size": 128, "lr": 3e-3, "warmup": 0.1, "weight_decay": 0.01}
+    lr = 1e-4 if _weights_params(base.directory) < 100_000_000 else 2e-5
+    batch = 16
+    steps = min(2000, max(20, math.ceil(3 * rows / batch)))
+    return {"steps": steps, "batch_size": batch, "lr": lr, "warmup": 0.05, "weight_decay": 0.0}
 
 
 def _claim_run_dir(store: CheckpointStore, model: str, version: str, job: dict[str, Any]) -> str:
@@ -94,18 +111,21 @@ def _init_ray(workers: int, ray_address: str | None) -> bool:
         return False
     address = ray_address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address)
+        ray.init(address=address, log_to_driver=True)
     else:
-        # Logical CPUs: one per rank plus headroom; each rank sets its own torch thread count.
+        # Logical CPUs: one per rank plus headroom; each rank sets its own torch thread count. The
+        # dashboard serves Ray's state API, which Ray Train's placement-group cleaner polls every
+        # second to learn whether the controller is alive: without it the cleaner cannot work and
+        # logs a warning each time.
         num_cpus = max(workers + 1, os.cpu_count() or 1)
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, logging_level=logging.WARNING)
     return True
 
 
 def _run_trainer(store: CheckpointStore, run: str, config: dict[str, Any], workers: int, use_gpu: bool | None) -> Any:
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.config import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.v2.torch.torch_trainer import TorchTrainer
 
     from training.loop import train_loop_per_worker
 
@@ -127,95 +147,155 @@ def _run_trainer(store: CheckpointStore, run: str, config: dict[str, Any], worke
             storage_filesystem=storage_filesystem,
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             failure_config=FailureConfig(max_failures=0),
+            # Ray Train logs every report() at INFO on the console; warnings and errors still show.
+            logging_config=LoggingConfig(log_level="WARNING"),
         ),
     )
     return trainer.fit()
 
 
+def _encode(base: ResolvedBase, train_set: Dataset, eval_set: Dataset) -> dict[str, Any]:
+    """Tokenize both sets on the driver with the base's tokenizer and chat template."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from training.encode import Encoder, stop_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(base.directory)
+    positions = int(getattr(AutoConfig.from_pretrained(base.directory), "max_position_embeddings", 0) or 0)
+    limit = tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else positions
+    max_length = min(x for x in (positions, limit) if x) if (positions or limit) else 2048
+    stops = stop_ids(base.directory, tokenizer)
+    encoder = Encoder(tokenizer, max_length, stops)
+    rows = [(e.input_ids, e.labels) for e in encoder.encode_all(train_set.rows, train_set.ref.uri)]
+    items = encoder.eval_items(eval_set.rows, eval_set.ref.uri)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    return {"rows": rows, "items": items, "stop_ids": stops, "pad_id": pad, "max_length": max_length}
+
+
+def _corpus(train_set: Dataset) -> list[dict[str, Any]]:
+    """Training rows in the shape :func:`training.families.build_base` learns a tokenizer from."""
+    return [
+        {"messages": r.messages, "tools": r.tools}
+        if r.format == "chat"
+        else {"prompt": r.prompt, "completion": r.completion}
+        for r in train_set.rows
+    ]
+
+
+def _check_args(model: str, version: str, method: str, workers: int, steps: int | None, every: int) -> None:
+    check_name("model", model)
+    check_name("version", version)
+    if method == "lora":
+        raise TrainingError("--method lora is not supported yet; use --method full")
+    if method not in METHODS:
+        raise TrainingError(f"unknown method {method!r}; expected full")
+    if workers < 1 or every < 1 or (steps is not None and steps < 1):
+        raise TrainingError("workers, steps and checkpoint_every must be >= 1")
+
+
 def train(
     model: str,
     version: str,
-    task: str,
     root: str,
-    size: str | None = "tiny",
+    base: str,
+    data: str,
+    eval_data: str | None = None,
+    method: str = "full",
     steps: int | None = None,
-    workers: int = 2,
-    parent: str | None = None,
     seed: int = 0,
     *,
+    batch_size: int | None = None,
+    lr: float | None = None,
+    workers: int = DEFAULT_WORKERS,
+    threads: int | None = None,
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
     use_gpu: bool | None = None,
     ray_address: str | None = None,
     keep_run: bool = False,
 ) -> dict[str, Any]:
-    """Train ``model@version`` on ``task`` with Ray Train and publish it under ``root``.
+    """Train ``model@version`` from ``base`` on ``data``, evaluate on ``eval_data``, publish under
+    ``root`` and return the published manifest as a dict.
 
-    ``size`` defaults to the parent's size when ``parent`` is given (pass ``None``); with a parent
-    the weights start from that verified version. ``steps`` defaults to the size's tested default.
-    Ray is started locally unless it is already initialised, ``ray_address`` is given or
-    ``RAY_ADDRESS`` is set. Returns the published manifest as a dict.
+    Unset hyperparameters come from :func:`default_hyperparameters`. Ray is started locally unless
+    it is already initialised, ``ray_address`` is given or ``RAY_ADDRESS`` is set.
     """
-    check_name("model", model)
-    check_name("version", version)
-    if task not in TASKS:
-        raise TrainingError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
-    if workers < 1 or checkpoint_every < 1 or (steps is not None and steps < 1):
-        raise TrainingError("workers, steps and checkpoint_every must be >= 1")
+    _check_args(model, version, method, workers, steps, checkpoint_every)
     store = CheckpointStore(root)
     if store.exists(model, version):
         raise TrainingError(
             f"{model}@{version} already exists at {store.uri(model, version)}; "
             "versions are immutable, pick a new version name"
         )
-    size = _resolve_size(store, model, size, parent)
-    spec = SIZES[size]
-    steps = steps or spec.steps
-    job = {"model": model, "version": version, "task": task, "size": size, "steps": steps}
-    job |= {"parent": parent, "seed": seed, "batch_size": spec.batch_size, "peak_lr": spec.peak_lr}
-    run = _claim_run_dir(store, model, version, job)
-    config = {
-        "label": f"{model}@{version}",
-        "task": task,
-        "size": size,
-        "steps": steps,
-        "seed": seed,
-        "batch_size": spec.batch_size,
-        "peak_lr": spec.peak_lr,
-        "checkpoint_every": checkpoint_every,
-        "log_every": min(LOG_EVERY, checkpoint_every),
-        "parent_dir": store.local_path(model, parent) if parent else None,
-    }
-
-    started_ray = _init_ray(workers, ray_address)
-    t0 = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="train-"))
     try:
-        result = _run_trainer(store, run, config, workers, use_gpu)
-        if result.checkpoint is None:
-            raise TrainingError(f"{model}@{version}: the run reported no checkpoint")
-        with result.checkpoint.as_directory() as directory:
-            outcome = json.loads((Path(directory) / "result.json").read_text())
-            fields = {
-                "model": model,
-                "version": version,
-                "parent_version": parent,
-                "task": task,
-                "size": size,
-                "steps": outcome["steps"],
-                "final_loss": outcome["final_loss"],
-                "eval": outcome["eval"],
-                "code_revision": code_revision(),
-                "seed": seed,
-                "workers": workers,
-                "resumed_from_step": outcome["resumed_from_step"],
-                "wall_s": round(time.monotonic() - t0, 1),
-            }
-            manifest = store.publish(Path(directory) / "hf", fields)
+        opts: dict[str, Any] = {
+            "steps": steps,
+            "batch_size": batch_size,
+            "lr": lr,
+            "workers": workers,
+            "threads": threads,
+        }
+        opts |= {"checkpoint_every": checkpoint_every, "use_gpu": use_gpu, "ray_address": ray_address}
+        return _train(
+            store, model, version, base, data, eval_data, method, seed, workdir, opts | {"keep_run": keep_run}
+        )
     finally:
-        if started_ray:
-            import ray
+        shutil.rmtree(workdir, ignore_errors=True)
 
-            ray.shutdown()
-    if not keep_run:
+
+def _train(
+    store: CheckpointStore,
+    model: str,
+    version: str,
+    base_ref: str,
+    data: str,
+    eval_data: str | None,
+    method: str,
+    seed: int,
+    workdir: Path,
+    opts: dict[str, Any],
+) -> dict[str, Any]:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    t0 = time.monotonic()
+    train_set, eval_set, eval_how = resolve_data(data, eval_data, CACHE_DIR / "data", seed)
+    base = resolve_base(
+        base_ref, store, workdir, CACHE_DIR / "bases", lambda: _corpus(train_set), train_set.ref.sha256, seed
+    )
+    encoded = _encode(base, train_set, eval_set)
+    hyper = default_hyperparameters(base, len(encoded["rows"]))
+    for key in ("steps", "batch_size", "lr"):
+        if opts.get(key) is not None:
+            hyper[key] = opts[key]
+    job = {"model": model, "version": version, "base": base.ref.model_dump(), "method": method, "seed": seed}
+    job |= {"data": train_set.ref.sha256, "eval": eval_set.ref.sha256, **hyper}
+    run = _claim_run_dir(store, model, version, job)
+    prep_s = time.monotonic() - t0
+    outcome, workers = _fit(store, run, f"{model}@{version}", base, encoded, hyper, seed, opts)
+    fields = {
+        "model": model,
+        "version": version,
+        "base": base.ref,
+        "training": {
+            "method": method,
+            "steps": outcome["steps"],
+            "final_loss": outcome["final_loss"],
+            "seed": seed,
+            "workers": workers,
+            "resumed_from_step": outcome["resumed_from_step"],
+            "wall_s": round(time.monotonic() - t0, 1),
+            "data": train_set.ref,
+            "hyperparameters": hyper
+            | {"schedule": "one-cycle (cosine)", "max_length": encoded["max_length"], "rows_used": len(encoded["rows"])}
+            | {"eval_split": eval_how, "prepare_s": round(prep_s, 1), "train_s": outcome["train_s"]},
+        },
+        "eval": {"metrics": outcome["metrics"], "n": outcome["n"], "data": eval_set.ref},
+        "code_revision": code_revision(),
+    }
+    manifest = store.publish(Path(outcome["hf"]), fields)
+    shutil.rmtree(outcome["hf"], ignore_errors=True)
+    if not opts["keep_run"]:
         store.fs.rm(run, recursive=True)
         runs = run.rsplit("/", 1)[0]
         if store.fs.isdir(runs) and not store.fs.ls(runs):
@@ -223,20 +303,66 @@ def train(
     return manifest.model_dump(mode="json")
 
 
+def _fit(
+    store: CheckpointStore,
+    run: str,
+    label: str,
+    base: ResolvedBase,
+    encoded: dict[str, Any],
+    hyper: dict[str, Any],
+    seed: int,
+    opts: dict[str, Any],
+) -> tuple[dict[str, Any], int]:
+    """Run the trainer; returns the final ``result.json`` (plus a local copy of ``hf/``)."""
+    import ray
+
+    from training.loop import HF_DIR, RESULT_FILE
+    from training.progress import ProgressPrinter
+
+    workers = int(opts["workers"])
+    started_ray = _init_ray(workers, opts["ray_address"])
+    try:
+        printer = ProgressPrinter(label, int(hyper["steps"])).start()
+        config = {"label": label, "base_dir": base.directory, "seed": seed, "board": printer.board}
+        config |= {k: hyper[k] for k in ("steps", "batch_size", "lr", "warmup", "weight_decay")}
+        config |= {"checkpoint_every": opts["checkpoint_every"], "threads": opts["threads"]}
+        config |= {"train_rows": ray.put(encoded["rows"]), "eval_items": ray.put(encoded["items"])}
+        config |= {"stop_ids": encoded["stop_ids"], "pad_id": encoded["pad_id"]}
+        try:
+            result = _run_trainer(store, run, config, workers, opts["use_gpu"])
+        finally:
+            printer.stop()
+        if result.checkpoint is None:
+            raise TrainingError(f"{label}: the run reported no checkpoint")
+        with result.checkpoint.as_directory() as directory:
+            outcome = json.loads((Path(directory) / RESULT_FILE).read_text())
+            hf = Path(tempfile.mkdtemp(prefix="publish-")) / HF_DIR
+            shutil.copytree(Path(directory) / HF_DIR, hf)
+        outcome["hf"] = str(hf)
+    finally:
+        if started_ray:
+            ray.shutdown()
+    return outcome, workers
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m training.train",
-        description="Train a small Llama on an arithmetic task (Ray Train, DDP) and publish "
+        description="Fine-tune a causal LM on JSONL data (Ray Train, DDP) and publish "
         "<root>/<model>/<version>/ with a manifest.",
     )
     p.add_argument("--model", required=True, help="model name (a directory under --root)")
     p.add_argument("--version", required=True, help="new, immutable version name")
-    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--base", required=True, help="init:<family>-<size>, model@version, folder, URI or hub id")
+    p.add_argument("--data", required=True, help="training JSONL (path or URI) or builtin:<task>")
+    p.add_argument("--eval", default=None, help="eval JSONL; default: builtin eval, or a seeded 5%% holdout")
+    p.add_argument("--method", default="full", choices=METHODS, help="full (lora: not yet)")
     p.add_argument("--root", required=True, help="checkpoint store: local path or fsspec URI")
-    p.add_argument("--size", choices=tuple(SIZES), default=None, help="default: tiny, or the parent's size")
-    p.add_argument("--steps", type=int, default=None, help="default: the size's tested default")
-    p.add_argument("--workers", type=int, default=2, help="DDP ranks (Ray Train workers)")
-    p.add_argument("--parent", default=None, help="start from this version's weights")
+    p.add_argument("--steps", type=int, default=None, help="default: depends on the base and the data")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="DDP ranks (Ray Train workers)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores/ranks)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY)
     p.add_argument("--keep-run", action="store_true", help="keep Ray Train state after publishing")
@@ -245,26 +371,26 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    opts = {k: getattr(args, k) for k in ("steps", "batch_size", "lr", "workers", "threads", "seed")}
     try:
         manifest = train(
             args.model,
             args.version,
-            args.task,
             args.root,
-            size=args.size,
-            steps=args.steps,
-            workers=args.workers,
-            parent=args.parent,
-            seed=args.seed,
+            args.base,
+            args.data,
+            args.eval,
+            method=args.method,
             checkpoint_every=args.checkpoint_every,
             keep_run=args.keep_run,
+            **opts,
         )
-    except (TrainingError, RegistryError, ValueError) as exc:
+    except (TrainingError, RegistryError, BaseError, DataError, EncodeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     path = CheckpointStore(args.root).uri(args.model, args.version)
     print(f"published {args.model}@{args.version} to {path}")
-    print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=2))
+    print(json.dumps({k: v for k, v in manifest.items() if k not in ("files", "sizes")}, indent=2))
     return 0
 
 

@@ -1,23 +1,25 @@
-"""The training job end to end: real Ray Train (2 DDP workers on CPU), real vLLM on the result.
+"""The training job end to end on a user's data: real Ray Train (2 DDP workers on CPU), real vLLM.
 
-* ``test_tiny_add_is_published_and_vllm_answers`` trains the tiny model with its default steps
-  (about 2 minutes on 2 cores), checks the manifest and the store's integrity, then loads the
-  published directory in vLLM (subprocess: vLLM spawns processes) and requires >= 0.9 exact match
-  through both ``generate()`` on raw prompts and ``chat()``.
-* ``test_killed_job_resumes_and_publishes_atomically`` SIGKILLs a short run after its second
-  checkpoint, checks that nothing looks published, reruns the same command and requires that it
-  resumed from a step > 0; then trains a child version from it (``parent``).
+One short fine-tune of an existing Hugging Face folder on user-style JSONL (chat rows, raw
+prompt/completion rows, an extra ``kind`` key): the CLI run is SIGKILLed after its first
+checkpoints, nothing may look published, a rerun with other arguments is refused, and the same
+command through the Python API resumes from a step > 0 and publishes. The manifest must record the
+base, the run, both data files and the eval metrics; vLLM must load the published folder and,
+fed the evaluated prompts, score what the job scored.
+
+The base is the default ``adder@v1`` when ``serving up`` built it earlier in the run
+(``checkpoints/adder/v1``), otherwise a freshly initialised tiny Llama folder (built in a second).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
+import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,63 +30,41 @@ from training.train import TrainingError, train
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
+STEPS = 40
 
 
-def _vllm_eval(root: Path, model: str, version: str, n: int = 200) -> dict[str, object]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "training.vllm_eval", "--root", str(root)]
-    cmd += ["--model", model, "--version", version, "--n", str(n)]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    line = next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{"))
-    return json.loads(line)
+def _rows(split: str, n_plain: int, n_completion: int) -> list[dict[str, object]]:
+    from training.datasets import generate
+
+    return generate("max", seed=0, split=split, rows={"plain": n_plain, "completion": n_completion})
 
 
-def test_tiny_add_is_published_and_vllm_answers(tmp_path: Path) -> None:
-    root = tmp_path / "store"
+def _write(path: Path, rows: list[dict[str, object]]) -> str:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     built = ROOT / "checkpoints" / "adder" / "v1"
-    t0 = time.monotonic()
     if (built / "manifest.json").exists():
-        # Built by this same job for the integration stack earlier in the run (`serving up`
-        # trains it from its recipe): check that one instead of spending minutes training again.
-        shutil.copytree(built, root / "adder" / "v1")
-        manifest = json.loads((root / "adder" / "v1" / "manifest.json").read_text())
-    else:
-        manifest = train("adder", "v1", "add", str(root), size="tiny", workers=2)
-    print(f"trained in {time.monotonic() - t0:.0f}s: {json.dumps(manifest['eval'])}")
+        return str(built)
+    from training.families import build_base
 
-    assert manifest["model"] == "adder" and manifest["version"] == "v1"
-    assert manifest["task"] == "add" and manifest["size"] == "tiny"
-    assert manifest["steps"] == 1200 and manifest["parent_version"] is None
-    assert manifest["eval"]["n"] == 500 and manifest["eval"]["exact_match"] >= 0.9
-    assert manifest["final_loss"] < 0.2
-    assert manifest["resumed_from_step"] == 0
-    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(manifest["files"])
-    store = CheckpointStore(str(root))
-    assert store.list_models() == ["adder"] and store.list_versions("adder") == ["v1"]
-    assert store.verify("adder", "v1", min_exact_match=0.9).eval.exact_match == pytest.approx(
-        manifest["eval"]["exact_match"]
-    )
-    assert sorted(p.name for p in (root / "adder").iterdir()) == ["v1"]  # no .tmp-*, no .runs/v1
-    config = json.loads((root / "adder" / "v1" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
-
-    with pytest.raises(TrainingError, match="already exists"):
-        train("adder", "v1", "add", str(root))
-
-    result = _vllm_eval(root, "adder", "v1")
-    print(f"vLLM: {json.dumps(result)}")
-    assert result["generate_exact_match"] >= 0.9
-    assert result["chat_exact_match"] >= 0.9
-    score = manifest["eval"]["exact_match"]
-    assert abs(result["generate_exact_match"] - score) <= 0.05
-    assert abs(result["chat_exact_match"] - result["generate_exact_match"]) <= 0.01
+    corpus = _rows("train", 200, 100)
+    return str(build_base(tmp_path_factory.mktemp("base") / "tiny", "init:llama-tiny", corpus, seed=0))
 
 
-def test_killed_job_resumes_and_publishes_atomically(tmp_path: Path) -> None:
-    root = tmp_path / "store"
-    args = ["--model", "adder", "--version", "r1", "--task", "add", "--root", str(root)]
-    args += ["--steps", "60", "--checkpoint-every", "20"]
+def _vllm_eval(root: Path, model: str, version: str, eval_file: str) -> dict[str, float]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "training.vllm_eval", "--root", str(root), "--model", model]
+    cmd += ["--version", version, "--eval", eval_file, "--n", "1000"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))
+
+
+def _kill_after_checkpoint(args: list[str]) -> list[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "training.train", *args],
         cwd=ROOT,
@@ -98,29 +78,56 @@ def test_killed_job_resumes_and_publishes_atomically(tmp_path: Path) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             seen.append(line)
-            if "[adder@r1] step 40/60" in line:  # the step-20 checkpoint is reported by now
+            m = re.search(rf"\] step (\d+)/{STEPS} ", line)
+            if m and int(m[1]) >= 24:  # the step-10 and step-20 checkpoints are reported by now
                 break
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver, its Ray head and raylet
         proc.wait(timeout=60)
-    assert any("step 40/60" in line for line in seen), "".join(seen[-40:])
+    return seen
+
+
+def test_fine_tune_user_jsonl_resumes_after_kill_and_vllm_serves_it(tmp_path: Path, base_dir: str) -> None:
+    root = tmp_path / "store"
+    data = _write(tmp_path / "train.jsonl", _rows("train", 300, 100))
+    evals = _write(tmp_path / "eval.jsonl", _rows("eval", 24, 16))
+    args = ["--model", "maxer", "--version", "v1", "--base", base_dir, "--data", data, "--eval", evals]
+    args += ["--root", str(root), "--steps", str(STEPS), "--checkpoint-every", "10"]
+    seen = _kill_after_checkpoint(args)
+    assert any(re.search(rf"step \d+/{STEPS}", line) for line in seen), "".join(seen[-40:])
+    assert not any("Reporting training result" in line for line in seen), "Ray Train chatter is back"
 
     store = CheckpointStore(str(root))
-    assert store.list_versions("adder") == []
-    assert not store.exists("adder", "r1")
-    assert (root / "adder" / ".runs" / "r1" / "job.json").is_file()
-
+    assert store.list_versions("maxer") == [] and not store.exists("maxer", "v1")
+    assert (root / "maxer" / ".runs" / "v1" / "job.json").is_file()
     with pytest.raises(TrainingError, match="other arguments"):
-        train("adder", "r1", "add", str(root), steps=80, checkpoint_every=20)
+        train("maxer", "v1", str(root), base_dir, data, evals, steps=STEPS + 10, checkpoint_every=10)
 
-    manifest = train("adder", "r1", "add", str(root), steps=60, checkpoint_every=20)
-    assert manifest["resumed_from_step"] > 0
-    assert manifest["steps"] == 60
-    store.verify("adder", "r1")
-    assert not (root / "adder" / ".runs" / "r1").exists()
+    manifest = train("maxer", "v1", str(root), base_dir, data, evals, steps=STEPS, checkpoint_every=10)
+    run, ev = manifest["training"], manifest["eval"]
+    assert run["resumed_from_step"] >= 10 and run["steps"] == STEPS and run["method"] == "full"
+    assert run["workers"] == 2 and run["final_loss"] > 0
+    assert run["data"] == {
+        "uri": data,
+        "sha256": hashlib.sha256(Path(data).read_bytes()).hexdigest(),
+        "rows": 400,
+        "format": "mixed",
+    }
+    assert manifest["base"] == {"source": "folder", "ref": str(Path(base_dir).resolve()), "manifest_sha256": None}
+    assert ev["n"] == 40 and ev["data"]["uri"] == evals and ev["data"]["rows"] == 40
+    assert {"exact_match", "exact_match/plain", "exact_match/completion", "mean_token_loss", "perplexity"} <= set(
+        ev["metrics"]
+    )
+    assert manifest["architecture"] == "LlamaForCausalLM"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(manifest["files"])
+    # the tokenizer is the base's, byte for byte
+    assert (root / "maxer" / "v1" / "tokenizer.json").read_bytes() == (Path(base_dir) / "tokenizer.json").read_bytes()
+    store.verify("maxer", "v1")
+    assert sorted(p.name for p in (root / "maxer").iterdir()) == ["v1"]  # no .tmp-*, no .runs
+    with pytest.raises(TrainingError, match="already exists"):
+        train("maxer", "v1", str(root), base_dir, data, evals)
 
-    with pytest.raises(TrainingError, match="differs from parent"):
-        train("adder", "r2", "add", str(root), size="small", parent="r1")
-    child = train("adder", "r2", "sub", str(root), size=None, steps=20, parent="r1")
-    assert child["parent_version"] == "r1" and child["size"] == "tiny" and child["task"] == "sub"
-    assert store.list_versions("adder") == ["r1", "r2"]
+    result = _vllm_eval(root, "maxer", "v1", evals)
+    print(f"manifest: {json.dumps(ev['metrics'])}\nvLLM: {json.dumps(result)}")
+    assert result["n"] == 40 and result["chat_n"] == 24
+    assert abs(result["generate_exact_match"] - ev["metrics"]["exact_match"]) <= 0.05

@@ -1,25 +1,12 @@
-"""Data generation, exact-match scoring, tokenizer round trip, chat template (no Ray, no vLLM)."""
+"""Arithmetic pairs and their seeded split (the builtin datasets build on them), exact-match scoring."""
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from training.data import TASKS, Example, exact_match, make_example, make_split, normalize_answer
-from training.tokenizer import (
-    BOS,
-    CHAT_TEMPLATE,
-    EOS,
-    PAD,
-    UNK,
-    VOCAB,
-    build_tokenizer,
-    save_tokenizer,
-)
 
 
 @pytest.mark.parametrize(
@@ -86,38 +73,3 @@ def test_normalize_answer() -> None:
     assert normalize_answer("  82  ") == "82"
     assert normalize_answer("82\n37+1=38") == "82"
     assert normalize_answer("") == ""
-
-
-def test_tokenizer_round_trip_one_token_per_character() -> None:
-    tok = build_tokenizer()
-    for text in ["37+45=82", "8-50=-42", "0*9 = 0"]:
-        ids = tok(text)["input_ids"]
-        assert ids[0] == VOCAB[BOS]
-        assert len(ids) == len(text) + 1
-        assert tok.decode(ids, skip_special_tokens=True) == text
-    assert tok(f"1+1=2{EOS}", add_special_tokens=False)["input_ids"][-1] == VOCAB[EOS]
-
-
-def test_tokenizer_unknown_characters_do_not_crash() -> None:
-    tok = build_tokenizer()
-    ids = tok("a\nb é+1")["input_ids"]
-    assert ids.count(VOCAB[UNK]) == 4  # a, \n, b, é (space is in the vocabulary)
-    assert VOCAB["+"] in ids and VOCAB["1"] in ids
-
-
-def test_saved_tokenizer_and_chat_template(tmp_path: Path) -> None:
-    save_tokenizer(str(tmp_path))
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
-    assert config["chat_template"] == CHAT_TEMPLATE
-    tok = AutoTokenizer.from_pretrained(str(tmp_path))
-    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == (BOS, EOS, PAD, UNK)
-    messages = [{"role": "user", "content": "37+45="}]
-    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered == f"{BOS}37+45="
-    plain = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    assert plain == rendered
-    # The chat path (template, no extra specials) gives exactly the completion path's tokens.
-    assert tok(rendered, add_special_tokens=False)["input_ids"] == tok("37+45=")["input_ids"]
-    two = [{"role": "system", "content": "8-"}, {"role": "user", "content": "50="}]
-    assert tok.apply_chat_template(two, tokenize=False) == f"{BOS}8-50="

@@ -1,0 +1,59 @@
+"""The training job's checks before any Ray work: arguments, methods, existing versions, default
+hyperparameters; and how eval counters become manifest metrics."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from serving.registry import BaseRef
+from training.bases import ResolvedBase
+from training.evaluate import metrics_from_sums
+from training.train import TrainingError, default_hyperparameters, main, train
+
+
+def test_lora_is_not_yet_and_bad_arguments_fail_early(tmp_path: Path) -> None:
+    with pytest.raises(TrainingError, match="lora is not supported yet"):
+        train("m", "v1", str(tmp_path), "init:llama-tiny", "builtin:add", method="lora")
+    with pytest.raises(TrainingError, match="unknown method"):
+        train("m", "v1", str(tmp_path), "init:llama-tiny", "builtin:add", method="qlora")
+    with pytest.raises(TrainingError, match=">= 1"):
+        train("m", "v1", str(tmp_path), "init:llama-tiny", "builtin:add", steps=0)
+    with pytest.raises(ValueError, match="invalid model name"):
+        train("../m", "v1", str(tmp_path), "init:llama-tiny", "builtin:add")
+    (tmp_path / "m" / "v1").mkdir(parents=True)
+    with pytest.raises(TrainingError, match="already exists"):
+        train("m", "v1", str(tmp_path), "init:llama-tiny", "builtin:add")
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--model", "m", "--version", "v1", "--base", "init:llama-tiny", "--data", "builtin:add"]
+    assert main([*args, "--root", str(tmp_path), "--method", "lora"]) == 2
+    assert "lora is not supported yet" in capsys.readouterr().err
+    assert main([*args, "--root", str(tmp_path), "--data", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_default_hyperparameters(tmp_path: Path) -> None:
+    scratch = default_hyperparameters(ResolvedBase(str(tmp_path), BaseRef(source="init", ref="init:llama-tiny")), 100)
+    tuned = default_hyperparameters(ResolvedBase(str(tmp_path), BaseRef(source="folder", ref="x")), 100)
+    assert scratch["lr"] > tuned["lr"] and tuned["steps"] == 20  # three passes, at least 20 steps
+    with open(tmp_path / "model.safetensors", "wb") as fh:
+        fh.truncate(400_000_004)  # a sparse file: the size of ~100M float32 parameters
+    big = default_hyperparameters(ResolvedBase(str(tmp_path), BaseRef(source="hub", ref="x")), 10_000)
+    assert big["lr"] < tuned["lr"] and big["steps"] == 1875
+
+
+def test_metrics_from_sums() -> None:
+    sums = {"hits": 3.0, "n": 4.0, "loss_sum": 8.0, "tokens": 4.0, "hits/a": 1.0, "n/a": 2.0, "hits/b": 2.0}
+    sums["n/b"] = 2.0
+    metrics = metrics_from_sums(sums)
+    assert metrics == {
+        "exact_match": 0.75,
+        "exact_match/a": 0.5,
+        "exact_match/b": 1.0,
+        "mean_token_loss": 2.0,
+        "perplexity": pytest.approx(math.e**2),
+    }

@@ -1,0 +1,121 @@
+"""Loading and validating training JSONL: both OpenAI formats, tool calls, errors with line numbers,
+the seeded holdout and builtin data (no Ray, no model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from training.jsonl import DataError, holdout, load_jsonl, resolve_data
+
+
+def _write(path: Path, rows: list[object]) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+CHAT = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}], "kind": "plain"}
+CALL = {
+    "messages": [
+        {"role": "user", "content": "add 100 and 5"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": '{"a": 100, "b": 5}'}}],
+        },
+        {"role": "tool", "content": "105"},
+        {"role": "assistant", "content": "105"},
+    ],
+    "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
+}
+COMPLETION = {"prompt": "2+2=", "completion": "4", "kind": "completion"}
+
+
+def test_both_formats_and_extra_keys(tmp_path: Path) -> None:
+    data = load_jsonl(_write(tmp_path / "t.jsonl", [CHAT, "", COMPLETION, CALL]))
+    assert [r.format for r in data.rows] == ["chat", "completion", "chat"]
+    assert [r.line for r in data.rows] == [1, 3, 4]
+    assert data.rows[0].kind == "plain" and data.rows[0].extra == {"kind": "plain"}
+    assert data.rows[1].prompt == "2+2=" and data.rows[1].completion == "4"
+    assert data.ref.rows == 3 and data.ref.format == "mixed" and len(data.ref.sha256) == 64
+    # OpenAI's JSON-string arguments become an object, as a chat template (and vLLM) expects
+    call = data.rows[2].messages[1]["tool_calls"][0]  # type: ignore[index]
+    assert call["function"]["arguments"] == {"a": 100, "b": 5}
+    assert "content" not in data.rows[2].messages[1]  # type: ignore[index]
+    assert data.rows[2].tools and data.rows[2].tools[0]["function"]["name"] == "add"
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"text": "hi"}', "expected"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}', "at least one assistant"),
+        ('{"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]}', "role"),
+        ('{"prompt": "1+1="}', "completion"),
+        (
+            '{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]}',
+            "arguments are not valid JSON",
+        ),
+        ('{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}', "needs content"),
+    ],
+)
+def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
+    path = _write(tmp_path / "bad.jsonl", [CHAT, line])
+    with pytest.raises(DataError, match=message) as info:
+        load_jsonl(path)
+    assert f"{path}:2:" in str(info.value)
+
+
+def test_missing_and_empty_files(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="cannot read"):
+        load_jsonl(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(DataError, match="no rows"):
+        load_jsonl(_write(tmp_path / "empty.jsonl", [""]))
+
+
+def test_fsspec_uri(tmp_path: Path) -> None:
+    import fsspec
+
+    with fsspec.open("memory://data/t.jsonl", "w") as fh:
+        fh.write(json.dumps(CHAT) + "\n")
+    data = load_jsonl("memory://data/t.jsonl")
+    assert data.ref.uri == "memory://data/t.jsonl" and data.ref.format == "chat"
+
+
+def test_holdout_is_seeded_disjoint_and_recorded(tmp_path: Path) -> None:
+    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(100)]
+    data = load_jsonl(_write(tmp_path / "t.jsonl", rows))
+    train, held = holdout(data, seed=1)
+    again = holdout(data, seed=1)[1]
+    assert len(held.rows) == 5 and len(train.rows) == 95
+    assert [r.line for r in held.rows] == [r.line for r in again.rows]
+    assert {r.line for r in held.rows} != {r.line for r in holdout(data, seed=2)[1].rows}
+    assert not {r.line for r in held.rows} & {r.line for r in train.rows}
+    assert held.ref.uri.endswith("#holdout-0.05-seed1") and held.ref.rows == 5
+    assert held.ref.sha256 == data.ref.sha256
+    with pytest.raises(DataError, match="too few"):
+        holdout(load_jsonl(_write(tmp_path / "one.jsonl", rows[:1])), seed=0)
+
+
+def test_resolve_data_eval_sources(tmp_path: Path) -> None:
+    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(40)]
+    path = _write(tmp_path / "t.jsonl", rows)
+    evals = _write(tmp_path / "e.jsonl", rows[:3])
+    assert resolve_data(path, evals, tmp_path / "cache", 0)[2] == "file"
+    train, held, how = resolve_data(path, None, tmp_path / "cache", 0)
+    assert how == "holdout" and len(held.rows) == 2 and len(train.rows) == 38
+
+
+def test_builtin_data_is_written_once_and_read_like_a_file(tmp_path: Path) -> None:
+    train, evals, how = resolve_data("builtin:max", None, tmp_path, 0)
+    assert how == "builtin"
+    assert train.ref.uri == str(tmp_path / "max-seed0" / "train.jsonl")
+    assert evals.ref.uri.endswith("eval.jsonl") and evals.ref.rows > 0
+    assert {r.kind for r in evals.rows} >= {"plain", "completion"}
+    again = resolve_data("builtin:max", None, tmp_path, 0)[0]
+    assert again.ref.sha256 == train.ref.sha256
+    with pytest.raises(DataError, match="unknown builtin task"):
+        resolve_data("builtin:mul", None, tmp_path, 0)

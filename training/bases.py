@@ -1,0 +1,156 @@
+"""Resolve ``--base`` to a local Hugging Face folder and the :class:`BaseRef` the manifest records.
+
+Forms, tried in this order (the first that applies wins)::
+
+    init:<family>-<size>      freshly initialised by training.families (tokenizer learnt on the data)
+    <scheme>://...            an fsspec URI of a folder, downloaded to a temporary directory
+    an existing local path    a Hugging Face folder (config.json + weights + tokenizer)
+    <model>@<version>         a version of the checkpoint store, hash-verified first
+    hub:<id> or <org>/<name>  a Hugging Face hub id (snapshot_download)
+
+Why an existing path wins over a hub id: ``org/name`` is also a valid relative path, and a user
+who has such a folder means it; a hub id that happens to exist as a folder can be written
+``hub:org/name``. ``@`` cannot occur in a hub id, so ``model@version`` is unambiguous.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import fsspec
+
+from serving.registry import MANIFEST, BaseRef, CheckpointStore
+
+__all__ = ["BaseError", "ResolvedBase", "resolve_base"]
+
+INIT: Final = "init:"
+HUB: Final = "hub:"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_STORE_REF = re.compile(r"^(?P<model>[A-Za-z0-9][A-Za-z0-9._-]*)@(?P<version>[A-Za-z0-9][A-Za-z0-9._-]*)$")
+
+
+class BaseError(ValueError):
+    """The base cannot be found, fetched or built."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedBase:
+    """A local folder with the base's files and how it was obtained."""
+
+    directory: str
+    ref: BaseRef
+
+    @property
+    def is_init(self) -> bool:
+        return self.ref.source == "init"
+
+
+def _check_folder(directory: str, label: str) -> str:
+    if not (Path(directory) / "config.json").is_file():
+        raise BaseError(f"{label}: {directory} has no config.json; is it a Hugging Face model folder?")
+    return directory
+
+
+def _from_init(ref: str, cache_dir: Path, corpus: Callable[[], Iterable[Any]], key: str, seed: int) -> ResolvedBase:
+    """Build (once per ref, data and seed: the build is deterministic) a fresh base."""
+    from training.families import build_base, parse_init_ref
+
+    try:
+        parse_init_ref(ref)
+    except ValueError as exc:
+        raise BaseError(str(exc)) from None
+    digest = hashlib.sha256(f"{ref}|{key}|{seed}".encode()).hexdigest()[:16]
+    target = cache_dir / "init" / f"{ref[len(INIT) :]}-{digest}"
+    if not (target / "config.json").is_file():
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=_mkdir(target.parent)))
+        build_base(tmp, ref, corpus(), seed)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # built meanwhile by another job with the same arguments
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return ResolvedBase(str(target), BaseRef(source="init", ref=ref))
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _from_uri(ref: str, workdir: Path) -> ResolvedBase:
+    target = workdir / "base"
+    try:
+        fs, path = fsspec.core.url_to_fs(ref)
+        if not fs.isdir(path):
+            raise BaseError(f"base {ref}: no such folder")
+        fs.get(path.rstrip("/") + "/", str(target), recursive=True)
+    except (OSError, ValueError, ImportError) as exc:
+        raise BaseError(f"base {ref}: cannot download: {exc}") from None
+    return ResolvedBase(_check_folder(str(target), f"base {ref}"), BaseRef(source="uri", ref=ref))
+
+
+def _from_store(ref: str, store: CheckpointStore) -> ResolvedBase:
+    m = _STORE_REF.match(ref)
+    assert m is not None
+    model, version = m["model"], m["version"]
+    store.verify(model, version)  # raises VersionNotFound / TamperedVersion with a clear message
+    raw = store.fs.cat_file(f"{store.version_path(model, version)}/{MANIFEST}")
+    directory = store.local_path(model, version)
+    sha = hashlib.sha256(raw).hexdigest()
+    return ResolvedBase(directory, BaseRef(source="store", ref=ref, manifest_sha256=sha))
+
+
+def _from_hub(repo_id: str) -> ResolvedBase:
+    from huggingface_hub import snapshot_download
+
+    try:
+        directory = snapshot_download(repo_id)
+    except Exception as exc:  # offline, unknown repo, gated repo: all end the job the same way
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+        hint = (
+            "HF_HUB_OFFLINE is set and the model is not in the local hub cache"
+            if offline
+            else "no network access to the hub, or no such repository"
+        )
+        raise BaseError(
+            f"base {repo_id!r} is not a local folder, a store version (model@version) or an "
+            f"init: reference, and downloading it from the Hugging Face hub failed ({hint}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    return ResolvedBase(_check_folder(directory, f"hub:{repo_id}"), BaseRef(source="hub", ref=repo_id))
+
+
+def resolve_base(
+    ref: str,
+    store: CheckpointStore,
+    workdir: Path,
+    cache_dir: Path,
+    corpus: Callable[[], Iterable[str | Mapping[str, Any]]],
+    corpus_key: str,
+    seed: int = 0,
+) -> ResolvedBase:
+    """Resolve ``ref`` (see the module docstring). ``workdir`` receives downloads, ``cache_dir``
+    keeps built ``init:`` bases; ``corpus`` (called only for ``init:``) yields the rows the new
+    tokenizer is trained on, and ``corpus_key`` identifies them (the data's sha256)."""
+    if ref.startswith(INIT):
+        return _from_init(ref, cache_dir, corpus, corpus_key, seed)
+    if ref.startswith(HUB):
+        return _from_hub(ref[len(HUB) :])
+    if "://" in ref:
+        return _from_uri(ref, workdir)
+    if Path(ref).expanduser().exists():
+        directory = str(Path(ref).expanduser().resolve())
+        return ResolvedBase(_check_folder(directory, f"base {ref}"), BaseRef(source="folder", ref=directory))
+    if _STORE_REF.match(ref):
+        return _from_store(ref, store)
+    if _HUB_ID.match(ref):
+        return _from_hub(ref)
+    raise BaseError(f"base {ref!r}: not init:<family>-<size>, a URI, an existing folder, model@version or a hub id")

@@ -1,0 +1,209 @@
+"""Rows to token ids with the base's own tokenizer and chat template, and loss masks that cover
+exactly what the model has to generate.
+
+Why a generic mask: a fine-tune must work with whatever template the base ships (Llama 3 headers,
+ChatML, Mistral's ``[INST]``...), so no role markers are hard-coded. For each assistant message
+``i`` the template renders ``messages[:i]`` with the generation prompt and ``messages[:i+1]``; the
+characters between the two are that assistant turn. Character spans become token spans through the
+fast tokenizer's offset mapping, and the loss stops after the end-of-turn token (a separator the
+template writes after it, e.g. ChatML's newline, is never generated). A template whose shorter
+renders are not prefixes of the longer ones cannot be masked this way and fails the job.
+
+Token ids follow what vLLM feeds the model: a rendered chat is tokenized *without* special tokens
+(the template writes its own BOS; letting the tokenizer add one would double it), a raw prompt
+*with* them (as ``/v1/completions`` does) and its completion on its own, then end-of-sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, cast
+
+from training.jsonl import Row
+
+__all__ = ["IGNORE", "EncodeError", "Encoded", "EvalItem", "Encoder", "normalise", "stop_ids"]
+
+IGNORE: Final = -100
+logger = logging.getLogger("training")
+
+
+class EncodeError(ValueError):
+    """A row cannot be rendered or masked with this base's template and tokenizer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """Token ids of one row and its labels (``IGNORE`` where no loss is taken)."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class EvalItem:
+    """What evaluation needs of one row: the generation prompt, the reference text of the last
+    assistant turn (between the generation prompt and the end of turn) and the full encoding for
+    the loss."""
+
+    prompt_ids: list[int]
+    reference: str
+    reference_tokens: int
+    encoded: Encoded
+    kind: str | None
+
+
+class Encoder:
+    """Encode rows for one tokenizer (any transformers *fast* tokenizer with a chat template)."""
+
+    def __init__(self, tokenizer: Any, max_length: int, stop_ids: Iterable[int] = ()):
+        if not getattr(tokenizer, "is_fast", False):
+            raise EncodeError("the base's tokenizer is not a fast tokenizer: loss masks need offset mappings")
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        eos = tokenizer.eos_token_id
+        self.eos_id: int | None = eos
+        self.stop_ids = {*stop_ids, *([eos] if eos is not None else [])}
+        self.eos_text: str | None = tokenizer.eos_token
+
+    # -- rendering ------------------------------------------------------------------------------
+
+    def render(self, row: Row, upto: int, generation_prompt: bool) -> str:
+        """The template applied to ``row.messages[:upto]``."""
+        if self.tokenizer.chat_template is None:
+            raise EncodeError("the base's tokenizer has no chat template; use prompt/completion rows")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                (row.messages or [])[:upto], tools=row.tools, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as exc:  # jinja raises its own types (TemplateError, UndefinedError...)
+            raise EncodeError(f"line {row.line}: the chat template failed: {exc}") from exc
+        return cast(str, text)
+
+    def _tokens(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+
+    def assistant_spans(self, row: Row) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character span of every assistant turn in it."""
+        messages = row.messages or []
+        full = self.render(row, len(messages), False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prefix = self.render(row, i, True)
+            upto = self.render(row, i + 1, False)
+            if not (upto.startswith(prefix) and full.startswith(upto)):
+                raise EncodeError(
+                    f"line {row.line}: the chat template is not prefix-consistent at message {i} "
+                    "(rendering fewer messages is not a prefix of rendering more), so assistant "
+                    "tokens cannot be located; use prompt/completion rows with this base"
+                )
+            spans.append((len(prefix), len(upto)))
+        return full, spans
+
+    # -- training rows --------------------------------------------------------------------------
+
+    def _chat(self, row: Row) -> Encoded:
+        full, spans = self.assistant_spans(row)
+        ids, offsets = self._tokens(full)
+        labels = [IGNORE] * len(ids)
+        for start, end in spans:
+            for t, (lo, hi) in enumerate(offsets):
+                if hi <= start or lo >= end or hi == lo:
+                    continue
+                labels[t] = ids[t]
+                if ids[t] in self.stop_ids:
+                    break
+        return Encoded(ids, labels)
+
+    def _completion(self, row: Row) -> Encoded:
+        prompt = list(self.tokenizer(row.prompt or "", add_special_tokens=True)["input_ids"])
+        answer = list(self.tokenizer(row.completion or "", add_special_tokens=False)["input_ids"])
+        if self.eos_id is not None:
+            answer.append(self.eos_id)
+        return Encoded(prompt + answer, [IGNORE] * len(prompt) + answer)
+
+    def encode(self, row: Row) -> Encoded:
+        return self._chat(row) if row.format == "chat" else self._completion(row)
+
+    def encode_all(self, rows: Sequence[Row], what: str) -> list[Encoded]:
+        """Encode ``rows``; rows longer than ``max_length`` are dropped (all of them: an error)."""
+        out, long = [], []
+        for row in rows:
+            enc = self.encode(row)
+            if len(enc.input_ids) > self.max_length:
+                long.append((row.line, len(enc.input_ids)))
+            elif not any(label != IGNORE for label in enc.labels):
+                raise EncodeError(f"{what} line {row.line}: no assistant token left to learn from")
+            else:
+                out.append(enc)
+        self._report_long(long, len(rows), what)
+        return out
+
+    def _report_long(self, long: list[tuple[int, int]], total: int, what: str) -> None:
+        if not long:
+            return
+        worst = max(n for _, n in long)
+        message = (
+            f"{what}: {len(long)} of {total} rows are longer than the model's {self.max_length} "
+            f"positions (longest {worst} tokens, e.g. line {long[0][0]})"
+        )
+        if len(long) == total or len(long) > total // 10:
+            raise EncodeError(message + "; shorten them or use a base with more positions")
+        logger.warning("%s; they are skipped", message)
+
+    # -- evaluation rows ------------------------------------------------------------------------
+
+    def eval_item(self, row: Row) -> EvalItem:
+        """Prompt up to the last assistant turn and that turn's reference text."""
+        encoded = self.encode(row)
+        if row.format == "completion":
+            prompt = list(self.tokenizer(row.prompt or "", add_special_tokens=True)["input_ids"])
+            reference = row.completion or ""
+        else:
+            messages = row.messages or []
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            prompt_text = self.render(row, last, True)
+            turn = self.render(row, last + 1, False)[len(prompt_text) :]
+            if self.eos_text and self.eos_text in turn:
+                turn = turn[: turn.index(self.eos_text)]
+            prompt = self._tokens(prompt_text)[0]
+            reference = turn
+        n_ref = len(self.tokenizer(reference, add_special_tokens=False)["input_ids"])
+        return EvalItem(prompt, normalise(reference), n_ref, encoded, row.kind)
+
+    def eval_items(self, rows: Sequence[Row], what: str) -> list[EvalItem]:
+        items, long = [], []
+        for row in rows:
+            item = self.eval_item(row)
+            if len(item.encoded.input_ids) > self.max_length:
+                long.append((row.line, len(item.encoded.input_ids)))
+            else:
+                items.append(item)
+        self._report_long(long, len(rows), what)
+        return items
+
+
+def normalise(text: str) -> str:
+    """Whitespace-insensitive form used to compare a generation with its reference."""
+    return " ".join(text.split())
+
+
+def stop_ids(directory: str, tokenizer: Any) -> list[int]:
+    """Token ids generation stops on: the folder's generation config ``eos_token_id`` (one or a
+    list) and the tokenizer's eos -- what vLLM stops on when it serves the folder."""
+    ids: set[int] = set()
+    path = Path(directory) / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise EncodeError(f"{directory}: no eos token in the tokenizer or generation_config.json")
+    return sorted(int(i) for i in ids)
