@@ -35,7 +35,7 @@ from training.bases import BaseError, ResolvedBase, resolve_base
 from training.encode import EncodeError
 from training.jsonl import DataError, Dataset, resolve_data
 
-__all__ = ["DEFAULT_CHECKPOINT_EVERY", "METHODS", "TrainingError", "default_hyperparameters", "main", "train"]
+__all__ = ["DEFAULT_CHECKPOINT_EVERY", "METHODS", "TrainingError", "default_hyperparameters", "main", "parser", "train"]
 
 DEFAULT_CHECKPOINT_EVERY = 200
 METHODS = ("full", "lora")
@@ -345,7 +345,7 @@ def _fit(
     return outcome, workers
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m training.train",
         description="Fine-tune a causal LM on JSONL data (Ray Train, DDP) and publish "
@@ -370,7 +370,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     opts = {k: getattr(args, k) for k in ("steps", "batch_size", "lr", "workers", "threads", "seed")}
     try:
         manifest = train(

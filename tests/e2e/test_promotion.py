@@ -69,9 +69,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert imported.returncode == 0, imported.stdout + imported.stderr
     data, held_out = write_dataset("max", tmp / "max-data")  # the user's JSONL
-    train(
-        "arith", "v2", root, base="arith@v1", data=str(data), eval_data=str(held_out), steps=FINETUNE_STEPS
-    )
+    train("arith", "v2", root, base="arith@v1", data=str(data), eval_data=str(held_out), steps=FINETUNE_STEPS)
     return tmp
 
 

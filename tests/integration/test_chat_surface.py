@@ -69,9 +69,7 @@ def test_json_mode_values_are_right(client: openai.OpenAI, model: str) -> None:
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_a_system_prompt_and_a_history_change_the_answer_as_the_data_teaches(
-    client: openai.OpenAI, model: str
-) -> None:
+def test_a_system_prompt_and_a_history_change_the_answer_as_the_data_teaches(client: openai.OpenAI, model: str) -> None:
     assert _score(client, model, "system") >= 0.8
     assert _score(client, model, "multi_turn") >= 0.8
 

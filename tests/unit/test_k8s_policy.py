@@ -32,7 +32,8 @@ NAMESPACE = "raystack"
 CHECKPOINTS = "/mnt/checkpoints"
 API_KEYS_SECRET = "raystack-api-keys"
 TRAIN_ENTRYPOINT = (
-    "python -m training.train --root /mnt/checkpoints --model adder --version v2 --base adder@v1 --data builtin:add --method full"
+    "python -m training.train --root /mnt/checkpoints --model adder --version v2 --base adder@v1 "
+    "--data builtin:add --method full"
 )
 PORT_PARAMS = (
     "port",
@@ -167,6 +168,18 @@ def test_rayservice_autoscaling(overlay: str) -> None:
     for where, _, g in ray_groups(rs):
         if g is not cs["headGroupSpec"]:
             assert g["minReplicas"] <= g.get("replicas", g["minReplicas"]) <= g["maxReplicas"], where
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_rayjob_entrypoint_is_a_valid_training_command(overlay: str) -> None:
+    """The RayJob runs the same command as a laptop: its arguments parse with the job's own parser."""
+    from training.train import parser
+
+    (job,) = of_kind(overlay, "RayJob")
+    words = job["spec"]["entrypoint"].split()
+    assert words[:3] == ["python", "-m", "training.train"]
+    args = parser().parse_args(words[3:])
+    assert args.root == CHECKPOINTS and args.method == "full" and args.base and args.data
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
