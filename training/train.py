@@ -22,11 +22,14 @@ import json
 import logging
 import math
 import os
+import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,23 +106,66 @@ def _claim_run_dir(store: CheckpointStore, model: str, version: str, job: dict[s
     return run
 
 
-def _init_ray(workers: int, ray_address: str | None) -> bool:
-    """Connect to (or start) Ray; returns whether this call started it."""
+def _init_ray(workers: int, ray_address: str | None) -> Callable[[], None] | None:
+    """Connect to (or start) Ray; returns how to stop it when this call started it."""
+    address = ray_address or os.environ.get("RAY_ADDRESS")
+    # Ray reads its authentication mode when it is first imported, so a private instance gets
+    # token authentication only in a process that has not imported Ray yet (the CLI, and the
+    # subprocess `serving up` runs); otherwise it starts without the dashboard, as before.
+    fresh = "ray" not in sys.modules
+    restore = _private_ray_auth() if fresh and not address else None
     import ray
 
     if ray.is_initialized():
-        return False
-    address = ray_address or os.environ.get("RAY_ADDRESS")
+        return None
     if address:
         ray.init(address=address, log_to_driver=True)
-    else:
-        # Logical CPUs: one per rank plus headroom; each rank sets its own torch thread count. The
-        # dashboard serves Ray's state API, which Ray Train's placement-group cleaner polls every
-        # second to learn whether the controller is alive: without it the cleaner cannot work and
-        # logs a warning each time.
-        num_cpus = max(workers + 1, os.cpu_count() or 1)
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, logging_level=logging.WARNING)
-    return True
+        return ray.shutdown
+    # Logical CPUs: one per rank plus headroom; each rank sets its own torch thread count. The
+    # dashboard serves Ray's state API, which Ray Train's placement-group cleaner polls every
+    # second to learn whether the controller is alive: without it the cleaner cannot work and
+    # logs a warning each time. It listens on loopback, on a free port (a local stack may hold
+    # 8265), behind Ray's token authentication with a fresh token only this process reads.
+    num_cpus = max(workers + 1, os.cpu_count() or 1)
+    dashboard: dict[str, Any] = {"include_dashboard": False}
+    if restore is not None:
+        dashboard = {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": _free_port()}
+    ray.init(address="local", num_cpus=num_cpus, logging_level=logging.WARNING, **dashboard)
+
+    def stop() -> None:
+        ray.shutdown()
+        if restore is not None:
+            restore()
+
+    return stop
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _private_ray_auth() -> Callable[[], None]:
+    """Token authentication for the job's own Ray instance: a random token in a 0600 file of a
+    private temporary directory, named in this process's environment (which Ray's processes
+    inherit). Returns what puts the environment back and removes the token."""
+    directory = tempfile.mkdtemp(prefix="raystack-train-auth-")
+    token = Path(directory) / "token"
+    token.touch(mode=0o600)
+    token.write_text(secrets.token_hex(32))
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+    os.environ |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+    def restore() -> None:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(directory, ignore_errors=True)
+
+    return restore
 
 
 def _run_trainer(store: CheckpointStore, run: str, config: dict[str, Any], workers: int, use_gpu: bool | None) -> Any:
@@ -320,7 +366,7 @@ def _fit(
     from training.progress import ProgressPrinter
 
     workers = int(opts["workers"])
-    started_ray = _init_ray(workers, opts["ray_address"])
+    stop_ray = _init_ray(workers, opts["ray_address"])
     try:
         printer = ProgressPrinter(label, int(hyper["steps"])).start()
         config = {"label": label, "base_dir": base.directory, "seed": seed, "board": printer.board}
@@ -340,8 +386,8 @@ def _fit(
             shutil.copytree(Path(directory) / HF_DIR, hf)
         outcome["hf"] = str(hf)
     finally:
-        if started_ray:
-            ray.shutdown()
+        if stop_ray is not None:
+            stop_ray()
     return outcome, workers
 
 

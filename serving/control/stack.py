@@ -90,20 +90,15 @@ def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
                     raise FileNotFoundError(f"{m.name}@{v.version}: no checkpoint at {path} and no recipe")
                 r = v.recipe
                 log(f"building {m.name}@{v.version} from {r.base} on {r.data} with the training job...")
-                from training.train import train
-
                 p = Path(path)  # <root>/<model>/<version>
-                train(
-                    model=p.parent.name,
-                    version=p.name,
-                    root=str(p.parent.parent),
-                    base=r.base,
-                    data=r.data,
-                    eval_data=r.eval,
-                    method=r.method,
-                    steps=r.steps,
-                    seed=r.seed,
-                )
+                # its own process: the job starts (and stops) its own private, authenticated Ray
+                cmd = [sys.executable, "-m", "training.train", "--root", str(p.parent.parent)]
+                cmd += ["--model", p.parent.name, "--version", p.name, "--base", r.base, "--data", r.data]
+                cmd += ["--method", r.method, "--seed", str(r.seed)]
+                cmd += ["--eval", r.eval] if r.eval else []
+                cmd += ["--steps", str(r.steps)] if r.steps else []
+                if subprocess.run(cmd, check=False).returncode != 0:
+                    raise RuntimeError(f"{m.name}@{v.version}: the training job failed (its output is above)")
             hf = json.loads((Path(path) / "config.json").read_text())
             check_layout(m, hf, float(cfg.local_ray.num_cpus), None)
 
