@@ -10,7 +10,8 @@ code.
 Both templates speak the Hermes tool dialect that vLLM's ``--tool-call-parser hermes`` reads: the
 offered tools go into the system turn as ``<tools>{...}</tools>`` (name, description and parameters
 only, so the extra ``null`` fields a server adds when it re-serialises a request do not change
-the prompt; ChatML shows only the parameters' names, see ``_TOOLS_COMPACT``), and an assistant call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+the prompt; ChatML shows only the parameters' names, see ``_TOOLS_COMPACT``), and an assistant
+call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 Call arguments may be a JSON string (OpenAI's wire and fine-tuning format, written verbatim) or an
 object (vLLM parses the string before rendering; ``tojson`` writes ``json.dumps`` spacing), so a
 row whose arguments are ``json.dumps(args)`` renders identically in training and serving. Every
