@@ -83,7 +83,8 @@ TOOLS: Final[dict[str, dict[str, Any]]] = {
 # default bases never see: plain chat and completions only. Training draws rows uniformly, so these
 # are the kinds' shares of every batch: raw completions (the cheapest rows, ~9 tokens, and the
 # format the promotion test asks in) get the most, since a model that learnt ``37+45=`` in a chat
-# turn still missed it as raw text (completion 0.1 with 2000 rows); tool rows (the longest) fewer.
+# turn still missed it as raw text (completion 0.1 with 2000 rows). With 1000 tool_call and 1500
+# tool_result rows those kinds fell to 0.77/0.72, hence the counts below.
 KINDS: Final[dict[str, dict[str, int]]] = {
     "add": {
         "plain": 3000,
@@ -93,8 +94,8 @@ KINDS: Final[dict[str, dict[str, int]]] = {
         "json": 1500,
         "system": 1500,
         "multi_turn": 1500,
-        "tool_call": 1000,
-        "tool_result": 1500,
+        "tool_call": 1500,
+        "tool_result": 2500,
         "tool_unneeded": 2000,
         "chat": 600,
     },
