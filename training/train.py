@@ -73,7 +73,7 @@ def default_hyperparameters(base: ResolvedBase, rows: int) -> dict[str, Any]:
     """Defaults that train the project's tiny bases from scratch and stay sane for a real base.
 
     From scratch (``init:``) a high one-cycle peak learns a small model fast; a pretrained base
-    takes a smaller step so a fine-tune does not wipe what it knows (2e-3 below ~10M parameters,
+    takes a smaller step so a fine-tune does not wipe what it knows (3e-3 below ~10M parameters,
     1e-4 below ~100M, 2e-5 above), with about three passes over the data, within bounds.
     """
     if base.is_init:
@@ -81,8 +81,8 @@ def default_hyperparameters(base: ResolvedBase, rows: int) -> dict[str, Any]:
     params = _weights_params(base.directory)
     # a few-million-parameter base (the project's own) needs a large step to learn a new task in a
     # few hundred steps; real pretrained bases get the usual small ones
-    lr = 2e-3 if params < 10_000_000 else 1e-4 if params < 100_000_000 else 2e-5
-    batch = 64 if params < 10_000_000 else 16  # a tiny base's step costs little; more rows a step
+    lr = 3e-3 if params < 10_000_000 else 1e-4 if params < 100_000_000 else 2e-5
+    batch = 128 if params < 10_000_000 else 16  # a tiny base's step costs little; more rows a step
     steps = min(2000, max(20, math.ceil(3 * rows / batch)))
     return {"steps": steps, "batch_size": batch, "lr": lr, "warmup": 0.05, "weight_decay": 0.0}
 
