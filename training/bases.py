@@ -60,13 +60,17 @@ def _check_folder(directory: str, label: str) -> str:
 
 def _from_init(ref: str, cache_dir: Path, corpus: Callable[[], Iterable[Any]], key: str, seed: int) -> ResolvedBase:
     """Build (once per ref, data and seed: the build is deterministic) a fresh base."""
+    from training import families, tokenizer
     from training.families import build_base, parse_init_ref
 
     try:
         parse_init_ref(ref)
     except ValueError as exc:
         raise BaseError(str(exc)) from None
-    digest = hashlib.sha256(f"{ref}|{key}|{seed}".encode()).hexdigest()[:16]
+    # the family code (architecture sizes, template, tokenizer) is part of the key: a changed
+    # template or size must not reuse a base built by older code
+    code = hashlib.sha256(b"".join(Path(m.__file__ or "").read_bytes() for m in (families, tokenizer))).hexdigest()
+    digest = hashlib.sha256(f"{ref}|{key}|{seed}|{code}".encode()).hexdigest()[:16]
     target = cache_dir / "init" / f"{ref[len(INIT) :]}-{digest}"
     if not (target / "config.json").is_file():
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=_mkdir(target.parent)))

@@ -220,11 +220,13 @@ def holdout(data: Dataset, seed: int, fraction: float = HOLDOUT_FRACTION) -> tup
 
 def builtin_files(task: str, cache_dir: Path, seed: int) -> tuple[str, str]:
     """Write (once) and return the train/eval JSONL paths of ``builtin:<task>`` for ``seed``."""
-    from training import datasets
+    from training import dataset_kinds, datasets
 
     if task not in datasets.TASKS:
         raise DataError(f"unknown builtin task {task!r}; expected one of {', '.join(datasets.TASKS)}")
-    directory = cache_dir / f"{task}-seed{seed}"
+    # keyed by the generator's source too: a changed generator must not reuse stale files
+    code = b"".join(Path(m.__file__ or "").read_bytes() for m in (datasets, dataset_kinds))
+    directory = cache_dir / f"{task}-seed{seed}-{hashlib.sha256(code).hexdigest()[:12]}"
     train, evals = directory / "train.jsonl", directory / "eval.jsonl"
     if not (train.is_file() and evals.is_file()):
         tmp = directory.with_name(f".tmp-{directory.name}-{random.getrandbits(32):08x}")

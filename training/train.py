@@ -76,13 +76,16 @@ def default_hyperparameters(base: ResolvedBase, rows: int) -> dict[str, Any]:
     """Defaults that train the project's tiny bases from scratch and stay sane for a real base.
 
     From scratch (``init:``) a high one-cycle peak learns a small model fast; a pretrained base
-    takes a much smaller step so a fine-tune does not wipe what it knows (smaller still above
-    ~100M parameters), with about three passes over the data, within bounds.
+    takes a smaller step so a fine-tune does not wipe what it knows (3e-3 below ~10M parameters,
+    1e-4 below ~100M, 2e-5 above), with about three passes over the data, within bounds.
     """
     if base.is_init:
-        return {"steps": 700, "batch_size": 128, "lr": 3e-3, "warmup": 0.1, "weight_decay": 0.01}
-    lr = 1e-4 if _weights_params(base.directory) < 100_000_000 else 2e-5
-    batch = 16
+        return {"steps": 1000, "batch_size": 128, "lr": 3e-3, "warmup": 0.1, "weight_decay": 0.01}
+    params = _weights_params(base.directory)
+    # a few-million-parameter base (the project's own) needs a large step to learn a new task in a
+    # few hundred steps; real pretrained bases get the usual small ones
+    lr = 3e-3 if params < 10_000_000 else 1e-4 if params < 100_000_000 else 2e-5
+    batch = 128 if params < 10_000_000 else 16  # a tiny base's step costs little; more rows a step
     steps = min(2000, max(20, math.ceil(3 * rows / batch)))
     return {"steps": steps, "batch_size": batch, "lr": lr, "warmup": 0.05, "weight_decay": 0.0}
 
