@@ -188,7 +188,7 @@ class Family:
         }
         if self.model_type == "llama":
             return LlamaConfig(num_key_value_heads=spec.heads, tie_word_embeddings=False, **common)
-        return Qwen2Config(num_key_value_heads=spec.heads // 2, tie_word_embeddings=True, **common)
+        return Qwen2Config(num_key_value_heads=spec.heads, tie_word_embeddings=False, **common)
 
 
 FAMILIES: Final[dict[str, Family]] = {

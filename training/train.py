@@ -24,7 +24,6 @@ import math
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -124,16 +123,10 @@ def _init_ray(workers: int, ray_address: str | None) -> Callable[[], None] | Non
     if address:
         ray.init(address=address, log_to_driver=True)
         return ray.shutdown
-    # Logical CPUs: one per rank plus headroom; each rank sets its own torch thread count. The
-    # dashboard serves Ray's state API, which Ray Train's placement-group cleaner polls every
-    # second to learn whether the controller is alive: without it the cleaner cannot work and
-    # logs a warning each time. It listens on loopback, on a free port (a local stack may hold
-    # 8265), behind Ray's token authentication with a fresh token only this process reads.
+    # Logical CPUs: one per rank plus headroom; each rank sets its own torch thread count. No
+    # dashboard and no job API: nothing but this process uses the instance (_private_trainer).
     num_cpus = max(workers + 1, os.cpu_count() or 1)
-    dashboard: dict[str, Any] = {"include_dashboard": False}
-    if restore is not None:
-        dashboard = {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": _free_port()}
-    ray.init(address="local", num_cpus=num_cpus, logging_level=logging.WARNING, **dashboard)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
 
     def stop() -> None:
         ray.shutdown()
@@ -141,12 +134,6 @@ def _init_ray(workers: int, ray_address: str | None) -> Callable[[], None] | Non
             restore()
 
     return stop
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _private_ray_auth() -> Callable[[], None]:
@@ -171,7 +158,27 @@ def _private_ray_auth() -> Callable[[], None]:
     return restore
 
 
-def _run_trainer(store: CheckpointStore, run: str, config: dict[str, Any], workers: int, use_gpu: bool | None) -> Any:
+def _private_trainer(base: Any) -> Any:
+    """``TorchTrainer`` without Ray Train's placement-group cleaner, for the job's own Ray.
+
+    The cleaner is a detached actor that polls Ray's state API (served by the dashboard) every
+    second to remove the job's placement group should the controller die ungracefully. On a
+    private instance that lives and dies with this process there is nothing to clean, and without
+    a dashboard each poll fails with a warning on the console.
+    """
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    class Trainer(base):  # type: ignore[misc]
+        def _create_default_callbacks(self) -> list[Any]:
+            callbacks = super()._create_default_callbacks()
+            return [c for c in callbacks if not isinstance(c, PlacementGroupCleanerCallback)]
+
+    return Trainer
+
+
+def _run_trainer(
+    store: CheckpointStore, run: str, config: dict[str, Any], workers: int, use_gpu: bool | None, private: bool
+) -> Any:
     import ray
     from ray.train.v2.api.config import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.v2.torch.torch_trainer import TorchTrainer
@@ -186,7 +193,7 @@ def _run_trainer(store: CheckpointStore, run: str, config: dict[str, Any], worke
         from pyarrow.fs import FSSpecHandler, PyFileSystem
 
         storage_filesystem = PyFileSystem(FSSpecHandler(store.fs))
-    trainer = TorchTrainer(
+    trainer = (_private_trainer(TorchTrainer) if private else TorchTrainer)(
         train_loop_per_worker,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
@@ -378,7 +385,8 @@ def _fit(
         config |= {"train_rows": ray.put(encoded["rows"]), "eval_items": ray.put(encoded["items"])}
         config |= {"stop_ids": encoded["stop_ids"], "pad_id": encoded["pad_id"]}
         try:
-            result = _run_trainer(store, run, config, workers, opts["use_gpu"])
+            private = stop_ray is not None and opts["ray_address"] is None and not os.environ.get("RAY_ADDRESS")
+            result = _run_trainer(store, run, config, workers, opts["use_gpu"], private)
         finally:
             printer.stop()
         if result.checkpoint is None:

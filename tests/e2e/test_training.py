@@ -133,23 +133,22 @@ def test_fine_tune_user_jsonl_resumes_after_kill_and_vllm_serves_it(tmp_path: Pa
     assert abs(result["generate_exact_match"] - ev["metrics"]["exact_match"]) <= 0.05
 
 
-def test_the_jobs_own_ray_answers_only_with_its_token() -> None:
-    """A job that starts its own Ray (no RAY_ADDRESS) puts its dashboard and job API on loopback,
-    on a free port, behind Ray's token authentication with a token only that process holds."""
+def test_the_jobs_own_ray_needs_its_token() -> None:
+    """A job that starts its own Ray (no RAY_ADDRESS) runs it with Ray's token authentication, a
+    token only that process holds, and no dashboard or job API; the environment is put back after."""
     probe = """
-import os, httpx
+import os
 from training.train import _init_ray
 stop = _init_ray(1, None)
 import ray
-url = "http://" + ray._private.worker.global_worker.node.address_info["webui_url"]
-token = open(os.environ["RAY_AUTH_TOKEN_PATH"]).read().strip()
-print(url.split(":")[1], httpx.get(url + "/api/jobs/", timeout=30).status_code,
-      httpx.get(url + "/api/jobs/", headers={"authorization": "Bearer " + token}, timeout=30).status_code)
+token = os.environ["RAY_AUTH_TOKEN_PATH"]
+web = ray._private.worker.global_worker.node.address_info.get("webui_url")
+print(os.environ["RAY_AUTH_MODE"], oct(os.stat(token).st_mode & 0o777), web)
 stop()
 print("after", os.environ.get("RAY_AUTH_MODE"))
 """
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=180)
     lines = out.stdout.split("\n")
-    assert lines[0] == "//127.0.0.1 401 200", out.stdout + out.stderr
+    assert lines[0] in ("token 0o600 None", "token 0o600 "), out.stdout + out.stderr
     assert lines[1] == "after None"
