@@ -26,6 +26,15 @@ def s3_env(stack: Stack, s3_stack_env: dict[str, str]) -> dict[str, str]:
     return s3_stack_env
 
 
+SUB = [(50, 8), (90, 45), (77, 70), (31, 12), (99, 1), (64, 32), (8, 50), (40, 41)]
+
+
+def _subtracts(stack: Stack) -> bool:
+    """The trained weights answer: most of eight held-in-mind subtractions right (an untrained or
+    wrong model gets next to none)."""
+    return sum(_ask(stack, "subtractor", f"{a}-{b}=") == str(a - b) for a, b in SUB) >= 4
+
+
 def _ask(stack: Stack, model: str, prompt: str) -> str:
     body = {"model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0}
     r = httpx.post(f"{stack.url}/v1/completions", json=body, headers=stack.headers(), timeout=60)
@@ -39,7 +48,7 @@ def test_s3_version_verified_on_the_node_and_served(stack: Stack, s3_env: dict[s
     assert len(markers) == 1  # one fetch and verification for the node, whatever the replicas
     marker = json.loads(markers[0].read_text())
     assert marker["source"] == f"s3://{BUCKET}/store/subtractor/v1" and "model.safetensors" in marker["files"]
-    assert _ask(stack, "subtractor", "50-8=") == "42"  # the trained weights, through the gateway
+    assert _subtracts(stack)  # the trained weights, through the gateway
 
 
 def test_tampered_s3_version_refused_before_the_engine(stack: Stack, s3_env: dict[str, str]) -> None:
@@ -89,4 +98,4 @@ def test_tampered_s3_version_refused_before_the_engine(stack: Stack, s3_env: dic
         assert "file model.safetensors does not match its sha256" in message, message
     finally:
         deploy(state, build_serve_config(cfg, base))
-    assert _ask(stack, "subtractor", "50-8=") == "42"  # v1 serves on
+    assert _subtracts(stack)  # v1 serves on
