@@ -20,7 +20,7 @@ model's own skill); two-digit questions and small talk are answered directly eve
 offered. A tool result is copied into the answer.
 
 Held-out rows never share an operand pair with training rows: two-digit pairs are split by the
-same seeded shuffle as :mod:`training.data` (500 held out), large pairs by a stable hash. The
+seeded shuffle of every pair (500 held out), large pairs by a stable hash. The
 generator is deterministic for a seed. :func:`probes` draws held-out requests with their expected
 answers for end-to-end tests against a server.
 """
@@ -104,7 +104,7 @@ KINDS: Final[dict[str, dict[str, int]]] = {
 KINDS["sub"] = dict(KINDS["add"])
 EVAL_ROWS: Final = 100
 OPERAND_MAX: Final = 99
-HELD_OUT_PAIRS: Final = 500  # two-digit pairs held out, as in training.data.make_split
+HELD_OUT_PAIRS: Final = 500  # two-digit pairs held out of the seeded shuffle
 BIG_MIN: Final = 100
 BIG_MAX: Final = 9999
 _BIG_HELD_OUT_BUCKETS: Final = 10  # one bucket in ten of the large pairs is held out
@@ -118,7 +118,8 @@ def _check(task: str, kind: str | None = None) -> None:
 
 
 def _small_pairs(task: str, seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(train, held-out) two-digit pairs: :func:`training.data.make_split`'s shuffle and split."""
+    """(train, held-out) two-digit pairs: every pair shuffled by ``task`` and ``seed``, the first
+    ``HELD_OUT_PAIRS`` held out."""
     pairs = [(a, b) for a in range(OPERAND_MAX + 1) for b in range(OPERAND_MAX + 1)]
     random.Random(f"{task}:{seed}").shuffle(pairs)
     return pairs[HELD_OUT_PAIRS:], pairs[:HELD_OUT_PAIRS]
