@@ -94,7 +94,7 @@ def test_a_whole_tool_round_trip_through_the_sdk(client: openai.OpenAI) -> None:
         messages: list[Any] = list(probe.messages or [])
         tools: Any = probe.tools
         first = client.chat.completions.create(
-            model="adder", messages=messages, tools=tools, temperature=0, max_tokens=48
+            model="subtractor", messages=messages, tools=tools, temperature=0, max_tokens=48
         )
         call = (first.choices[0].message.tool_calls or [None])[0]
         if call is None or call.type != "function" or first.choices[0].finish_reason != "tool_calls":
@@ -106,7 +106,7 @@ def test_a_whole_tool_round_trip_through_the_sdk(client: openai.OpenAI) -> None:
             {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"result": args["a"] - args["b"]})},
         ]
         second = client.chat.completions.create(
-            model="adder", messages=messages, tools=tools, temperature=0, max_tokens=16
+            model="subtractor", messages=messages, tools=tools, temperature=0, max_tokens=16
         )
         answer = (second.choices[0].message.content or "").strip()
         right_answers += answer == str(args["a"] - args["b"]) and not second.choices[0].message.tool_calls
