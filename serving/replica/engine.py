@@ -17,6 +17,8 @@ from serving.replica.placement import cpu_bind_groups
 
 __all__ = [
     "OFFLINE_ENV",
+    "STORE_CREDENTIALS",
+    "STORE_CREDENTIAL_PREFIXES",
     "VLLM_SERVER_MODULE",
     "WeightsRefused",
     "EngineSpec",
@@ -34,6 +36,11 @@ __all__ = [
 VLLM_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 # Every process of the stack that may load a model or start Ray: no hub, no usage reports.
+# Credentials of the stores fsspec reaches (s3fs, gcsfs, adlfs) and of the model hub: the replica
+# process needs them to fetch a version, the engine it starts never does.
+STORE_CREDENTIAL_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_", "GCS_")
+STORE_CREDENTIALS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "FSSPEC_S3", "FSSPEC_GCS"})
+
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -172,9 +179,16 @@ def engine_environ(
     environ: dict[str, str], spec: EngineSpec, cores: list[int] | None = None, token: str | None = None
 ) -> dict[str, str]:
     """The engine process's whole environment: the replica's, less ``spec.secret_env`` (API keys
-    of the gateway's tenants, which a pod gets from its Secret), plus :func:`vllm_env`."""
+    of the gateway's tenants, which a pod gets from its Secret) and the checkpoint store's
+    credentials (:data:`STORE_CREDENTIALS`: the replica fetches and verifies the weights into its
+    node cache before vLLM starts, so vLLM only ever reads a local folder), plus :func:`vllm_env`."""
     hidden = set(spec.secret_env)
-    return {**{k: v for k, v in environ.items() if k not in hidden}, **vllm_env(spec, cores, token)}
+    kept = {k: v for k, v in environ.items() if k not in hidden and not _store_credential(k)}
+    return {**kept, **vllm_env(spec, cores, token)}
+
+
+def _store_credential(name: str) -> bool:
+    return name in STORE_CREDENTIALS or name.startswith(STORE_CREDENTIAL_PREFIXES)
 
 
 def vllm_env(spec: EngineSpec, cores: list[int] | None = None, token: str | None = None) -> dict[str, str]:

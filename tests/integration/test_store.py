@@ -15,6 +15,7 @@ import pytest
 from serving.config import ModelVersion, load_config
 from serving.control.serve_config import app_name, build_serve_config
 from serving.control.stack import StackState, deploy, wait_running
+from serving.replica.engine import VLLM_SERVER_MODULE
 from tests.conftest import ROOT, SERVING, Stack
 from tests.integration.conftest import BUCKET, s3_client
 
@@ -49,6 +50,27 @@ def test_s3_version_verified_on_the_node_and_served(stack: Stack, s3_env: dict[s
     marker = json.loads(markers[0].read_text())
     assert marker["source"] == f"s3://{BUCKET}/store/subtractor/v1" and "model.safetensors" in marker["files"]
     assert _subtracts(stack)  # the trained weights, through the gateway
+
+
+def _engine_environs() -> list[dict[str, str]]:
+    """The environment of every vLLM server process on this machine (the stack's engines)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and VLLM_SERVER_MODULE.encode() in (proc / "cmdline").read_bytes():
+                pairs = (proc / "environ").read_bytes().split(b"\0")
+                found.append(dict(p.decode().split("=", 1) for p in pairs if b"=" in p))
+        except OSError:  # the process ended while we looked
+            continue
+    return found
+
+
+def test_the_engines_do_not_inherit_the_stores_credentials(stack: Stack, s3_env: dict[str, str]) -> None:
+    """The replicas fetch from S3 with the credentials in their environment; the vLLM processes they
+    start read a verified local folder and get none of them."""
+    engines = _engine_environs()
+    assert len(engines) >= 2, "no engine process found"
+    assert all("AWS_ACCESS_KEY_ID" in s3_env and not any(k.startswith("AWS_") for k in env) for env in engines)
 
 
 def test_tampered_s3_version_refused_before_the_engine(stack: Stack, s3_env: dict[str, str]) -> None:

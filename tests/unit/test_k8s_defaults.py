@@ -216,6 +216,18 @@ def test_the_engine_does_not_inherit_the_tenants_keys() -> None:
         assert not key_envs & set(env) and env["PATH"] == "/usr/bin", app["name"]
 
 
+def test_the_engine_does_not_inherit_the_stores_credentials() -> None:
+    """The replica fetches a version with the store's credentials; vLLM reads the verified local copy."""
+    from serving.control.serve_config import build_serve_config
+    from serving.replica.engine import EngineSpec, engine_environ
+
+    app = build_serve_config(load_config(REPO / "deployments" / "gpu-prod.yaml"))["applications"][1]
+    spec = EngineSpec.model_validate(app["args"]["spec"])
+    creds = {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s", "AZURE_STORAGE_KEY": "k", "HF_TOKEN": "h"}
+    env = engine_environ({**creds, "PATH": "/usr/bin", "HOME": "/root"}, spec)
+    assert not set(creds) & set(env) and env["PATH"] == "/usr/bin" and env["HOME"] == "/root"
+
+
 def test_a_key_from_a_secret_file_with_a_trailing_newline_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
     from serving.config import AuthConfig
     from serving.gateway.admission.auth import Authenticator
