@@ -26,11 +26,12 @@ from serving.errors import (
 )
 from serving.gateway.admission.auth import Authenticator, Tenant
 from serving.gateway.admission.quota import QuotaClient
-from serving.gateway.migration import Plan, Resume, Splice, blocker, spliced
+from serving.gateway.migration import Plan, Resume, blocker
 from serving.gateway.protocol import ParsedRequest, StreamTap, usage_of
 from serving.gateway.relay import Observer, RetryBudget, Upstream, UpstreamResult, forward
 from serving.gateway.replicas import Lease, LeaseProvider
 from serving.gateway.routing import GatewayRoutes, Resolved, RoutingTable
+from serving.gateway.splice import Splice, spliced
 
 logger = logging.getLogger("serving.gateway")
 
