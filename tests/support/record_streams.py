@@ -55,10 +55,12 @@ def _stream(c: httpx.Client, url: str, path: str, body: dict[str, Any]) -> str:
         return r.read().decode()
 
 
-def _ids(raw: str, kind: str) -> tuple[list[int], list[int]]:
-    """Prompt ids and generated ids of a stream recorded with return_token_ids."""
+def _ids(raw: str, kind: str) -> tuple[list[int], list[int], list[bool]]:
+    """Prompt ids, generated ids, and for each generated id whether its chunk carried text, of a
+    stream recorded with return_token_ids."""
     prompt: list[int] = []
     out: list[int] = []
+    texted: list[bool] = []
     for ev in raw.split("\n\n"):
         if not ev.startswith("data: {"):
             continue
@@ -68,8 +70,10 @@ def _ids(raw: str, kind: str) -> tuple[list[int], list[int]]:
         for c in chunk["choices"]:
             if kind == "completion" and c.get("prompt_token_ids"):
                 prompt = c["prompt_token_ids"]
-            out += c.get("token_ids") or []
-    return prompt, out
+            ids = c.get("token_ids") or []
+            out += ids
+            texted += [bool(c.get("text") or (c.get("delta") or {}).get("content"))] * len(ids)
+    return prompt, out, texted
 
 
 def _killed(c: httpx.Client, url: str, api_pid: int) -> str:
@@ -110,7 +114,7 @@ def main() -> None:
             ):
                 plain = _stream(c, url, path, body)
                 with_ids = _stream(c, url, path, {**body, "return_token_ids": True})
-                prompt, ids = _ids(with_ids, kind)
+                prompt, ids, texted = _ids(with_ids, kind)
                 cont = {**COMPLETION, "prompt": prompt + ids[:CUT], "max_tokens": 40 - CUT, "return_token_ids": True}
                 out[kind] = {
                     "request": body,
@@ -119,6 +123,14 @@ def main() -> None:
                     "continuation_request": cont,
                     "continuation": _stream(c, url, "/v1/completions", cont),
                 }
+                if kind == "chat":  # a cut right after a token without text: chat continues before it
+                    bare = max(k for k in range(1, CUT) if not texted[k - 1] and texted[k - 2])
+                    back = {**cont, "prompt": prompt + ids[: bare - 1], "max_tokens": 40 - bare + 1}
+                    out[kind] |= {
+                        "bare_cut": bare,
+                        "bare_request": back,
+                        "bare_continuation": _stream(c, url, "/v1/completions", back),
+                    }
             out["killed"] = _killed(c, url, proc.pid)
     finally:
         try:

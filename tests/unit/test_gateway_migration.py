@@ -49,13 +49,13 @@ def _ids_of(ev: str) -> int:
     return sum(len(c.get("token_ids") or []) for c in json.loads(ev[6:])["choices"])
 
 
-def _head(kind: str) -> list[str]:
-    """The recorded stream (with token ids) up to the event that completes ``CUT`` tokens."""
+def _head(kind: str, cut: int = CUT) -> list[str]:
+    """The recorded stream (with token ids) up to the event that completes ``cut`` tokens."""
     out, n = [], 0
     for ev in _events(DATA[kind]["with_ids"]):
         out.append(ev)
         n += _ids_of(ev)
-        if n >= CUT:
+        if n >= cut:
             return out
     raise AssertionError("the recording is shorter than the cut")
 
@@ -219,6 +219,23 @@ async def test_a_broken_stream_is_continued_as_if_uninterrupted(kind: str, how: 
     assert _summary(out) == _summary(plain)
     assert out.count("data: [DONE]") == 1 and "error" not in out
     assert core.metrics.outcomes == ["resumed"]
+
+
+async def test_chat_continues_before_tokens_whose_text_a_parser_may_hold_back() -> None:
+    """The cut comes right after a token whose chunk had no text (vLLM's tool parser sends an
+    empty delta for text it holds back, and for a token without text): the continuation starts
+    before it, so any held-back text reaches the client, and the token is counted once."""
+    rec = DATA["chat"]
+    async with (
+        _replica(_head("chat", rec["bare_cut"])) as (a, _),
+        _replica(_events(rec["bare_continuation"]), then="end") as (b, got_b),
+        _gateway(a, b) as (c, _),
+    ):
+        out = await _post(c, "chat", {**rec["request"], "stream": True, "stream_options": {"include_usage": True}})
+    assert got_b == [{**rec["bare_request"], "stream": True, "stream_options": got_b[0]["stream_options"]}]
+    assert _summary(out) == _summary(rec["plain"])
+    final = [e for e in _normalized(out) if isinstance(e, dict) and not e["choices"]]
+    assert final[0]["usage"]["completion_tokens"] == rec["request"]["max_tokens"]
 
 
 async def test_usage_counts_the_prompt_once_and_every_token_once() -> None:
