@@ -219,6 +219,7 @@ async def test_a_broken_stream_is_continued_as_if_uninterrupted(kind: str, how: 
     assert _summary(out) == _summary(plain)
     assert out.count("data: [DONE]") == 1 and "error" not in out
     assert core.metrics.outcomes == ["resumed"]
+    assert core.in_flight["adder"] == 0  # the request was finished (billed, counted) once, at the end
 
 
 async def test_chat_continues_before_tokens_whose_text_a_parser_may_hold_back() -> None:
