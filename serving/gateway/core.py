@@ -26,9 +26,9 @@ from serving.errors import (
 )
 from serving.gateway.admission.auth import Authenticator, Tenant
 from serving.gateway.admission.quota import QuotaClient
-from serving.gateway.migration import Plan, Resume, blocker
+from serving.gateway.migration import Plan, blocker
 from serving.gateway.protocol import ParsedRequest, StreamTap, usage_of
-from serving.gateway.relay import Observer, RetryBudget, Upstream, UpstreamResult, forward
+from serving.gateway.relay import Leaser, Observer, RetryBudget, Upstream, UpstreamResult, forward
 from serving.gateway.replicas import Lease, LeaseProvider
 from serving.gateway.routing import GatewayRoutes, Resolved, RoutingTable
 from serving.gateway.splice import Splice, spliced
@@ -235,21 +235,7 @@ class GatewayCore:
         async def leaser() -> Lease:
             return await self.leases.lease(app, hint, timeout, limit)
 
-        async def resume(leg_path: str, body: bytes, obs: Observer) -> UpstreamResult:
-            """A later leg of a migrated stream: the same version's replicas (``leaser``)."""
-            return await forward(
-                client=self.client,
-                leaser=leaser,
-                path=leg_path,
-                body=body,
-                stream=True,
-                request_id=request_id,
-                retries=self.settings.retries,
-                obs=obs,
-                first_byte_s=self.settings.first_byte_timeout_s,
-            )
-
-        splice = self._splice(parsed, resolved, exchange, path, request_id, resume)
+        splice = self._splice(parsed, resolved, exchange, path, request_id, leaser)
         try:
             result = await forward(
                 client=self.client,
@@ -271,13 +257,27 @@ class GatewayCore:
         return result, limit_headers
 
     def _splice(
-        self, parsed: ParsedRequest, resolved: Resolved, exchange: Exchange, path: str, rid: str, resume: Resume
+        self, parsed: ParsedRequest, resolved: Resolved, exchange: Exchange, path: str, rid: str, leaser: Leaser
     ) -> Splice | None:
-        """A splice for a stream that may be continued on another replica (None: it may not)."""
+        """A splice for a stream that may be continued on another replica (None: it may not). Its
+        later legs lease through ``leaser``, the request's own: the same version's replicas."""
         if self.settings.max_migrations < 1 or blocker(parsed) is not None:
             return None
         tags = {"model": resolved.model.name, "version": resolved.version.version}
         metrics = self.metrics
+
+        async def resume(leg_path: str, body: bytes, obs: Observer) -> UpstreamResult:
+            return await forward(
+                client=self.client,
+                leaser=leaser,
+                path=leg_path,
+                body=body,
+                stream=True,
+                request_id=rid,
+                retries=self.settings.retries,
+                obs=obs,
+                first_byte_s=self.settings.first_byte_timeout_s,
+            )
 
         def count(outcome: str) -> None:
             if metrics:
