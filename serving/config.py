@@ -249,6 +249,13 @@ class GatewayConfig(_Strict):
         description="Retries on another replica, only of failures safe to resend: connection refused or "
         "reset before any response byte, replica dead (lease died, vLLM 503), first_byte_timeout_s passed.",
     )
+    max_migrations: int = Field(
+        1,
+        ge=0,
+        le=4,
+        description="Times one stream may be continued on another replica of the same version after its replica "
+        'died mid-answer (docs/architecture.md, "Stream migration"); 0: such a stream ends with an error event.',
+    )
     retry_budget_ratio: float = Field(
         0.2, ge=0, le=10, description="Retries allowed per request over the last 10 s (plus retry_budget_min)."
     )

@@ -59,6 +59,13 @@ class GatewayMetrics:
         self.retries = m.Counter(
             "raystack_retries", "Requests retried on another replica.", tag_keys=("model", "version")
         )
+        self.migrations = m.Counter(
+            "raystack_stream_migrations",
+            "Streams broken mid-answer, by outcome: resumed (continued on another replica of the same "
+            "version), failed (no replica took the continuation), refused (not continued: limit, budget, "
+            "or a request the gateway does not continue).",
+            tag_keys=("model", "version", "outcome"),
+        )
 
     def tags(self, model: str, version: str, tenant: str) -> dict[str, str]:
         return {"model": model, "version": version, "tenant": tenant}

@@ -15,13 +15,23 @@ from typing import Any
 
 from serving.config import AuthConfig, GatewayConfig
 from serving.contract import LeaseHint
-from serving.errors import InvalidRequest, NotFound, RateLimited, Unavailable, unavailable
+from serving.errors import (
+    InvalidRequest,
+    NotFound,
+    RateLimited,
+    Unavailable,
+    UpstreamError,
+    sse_error_event,
+    unavailable,
+)
 from serving.gateway.admission.auth import Authenticator, Tenant
 from serving.gateway.admission.quota import QuotaClient
+from serving.gateway.migration import Plan, blocker
 from serving.gateway.protocol import ParsedRequest, StreamTap, usage_of
-from serving.gateway.relay import RetryBudget, Upstream, UpstreamResult, forward
+from serving.gateway.relay import Leaser, Observer, RetryBudget, Upstream, UpstreamResult, forward
 from serving.gateway.replicas import Lease, LeaseProvider
 from serving.gateway.routing import GatewayRoutes, Resolved, RoutingTable
+from serving.gateway.splice import Splice, spliced
 
 logger = logging.getLogger("serving.gateway")
 
@@ -70,8 +80,15 @@ class Exchange:
         self.last_at = now
         return self.tap.feed(chunk) if self.tap else chunk
 
+    held_error = False  # error events pass through to the client as the engine sent them
+
     def flush(self) -> bytes:
         return self.tap.flush() if self.tap else b""
+
+    def failed(self, request_id: str) -> bytes:
+        return self.flush() + sse_error_event(
+            UpstreamError("The model replica failed while streaming; the response is incomplete."), request_id
+        )
 
     def retried(self) -> None:
         m = self.metrics
@@ -218,23 +235,64 @@ class GatewayCore:
         async def leaser() -> Lease:
             return await self.leases.lease(app, hint, timeout, limit)
 
+        splice = self._splice(parsed, resolved, exchange, path, request_id, leaser)
         try:
             result = await forward(
                 client=self.client,
                 leaser=leaser,
                 path=path,
-                body=parsed.upstream_body(model),
+                body=splice.plan.original if splice else parsed.upstream_body(model),
                 stream=parsed.stream,
                 request_id=request_id,
                 retries=self.settings.retries,
-                obs=exchange,
+                obs=splice or exchange,
                 budget=self.retry_budget,
                 first_byte_s=self.settings.first_byte_timeout_s,
             )
         except BaseException as exc:  # a client that left cancels the request: 499
             exchange.finish(499 if isinstance(exc, asyncio.CancelledError) else getattr(exc, "status", 500))
             raise
+        if splice is not None and result.stream is not None:
+            result = spliced(result, splice)
         return result, limit_headers
+
+    def _splice(
+        self, parsed: ParsedRequest, resolved: Resolved, exchange: Exchange, path: str, rid: str, leaser: Leaser
+    ) -> Splice | None:
+        """A splice for a stream that may be continued on another replica (None: it may not). Its
+        later legs lease through ``leaser``, the request's own: the same version's replicas."""
+        if self.settings.max_migrations < 1 or blocker(parsed) is not None:
+            return None
+        tags = {"model": resolved.model.name, "version": resolved.version.version}
+        metrics = self.metrics
+
+        async def resume(leg_path: str, body: bytes, obs: Observer) -> UpstreamResult:
+            return await forward(
+                client=self.client,
+                leaser=leaser,
+                path=leg_path,
+                body=body,
+                stream=True,
+                request_id=rid,
+                retries=self.settings.retries,
+                obs=obs,
+                first_byte_s=self.settings.first_byte_timeout_s,
+            )
+
+        def count(outcome: str) -> None:
+            if metrics:
+                metrics.migrations.inc(tags={**tags, "outcome": outcome})
+
+        plan = Plan.of(parsed, path, resolved.model.name, resolved.model.max_model_len)
+        return Splice(
+            exchange,
+            plan,
+            resume,
+            rid,
+            max_migrations=self.settings.max_migrations,
+            allow=self.retry_budget.try_retry,
+            count=count,
+        )
 
     async def ready(self) -> bool:
         """Every live version of every model with a running replica (cached for 2 s)."""

@@ -56,15 +56,21 @@ class ParsedRequest:
         limit = self.body.get("max_completion_tokens") or self.body.get("max_tokens") or max_model_len
         return self.n * int(limit)
 
-    def upstream_body(self, name: str) -> bytes:
+    def upstream_body(self, name: str, token_ids: bool = False) -> bytes:
         """The body to forward: ``model`` set to the engine's served name and, for streams, usage
         on every chunk always requested (``continuous_usage_stats``: the gateway bills what a stream
         used even when it is abandoned or cut; :class:`StreamTap` strips what the client did not
-        ask for). Unchanged bodies are forwarded as the same bytes."""
+        ask for). ``token_ids`` asks the engine for the token ids of each chunk
+        (``return_token_ids``), which a stream needs to be continued on another replica
+        (:mod:`serving.gateway.migration` strips them again). Unchanged bodies are forwarded as
+        the same bytes."""
         force_usage = self.stream and not self.continuous_usage
-        if self.body.get("model") == name and not force_usage:
+        force_ids = token_ids and not self.body.get("return_token_ids")
+        if self.body.get("model") == name and not force_usage and not force_ids:
             return self.raw
         body = {**self.body, "model": name}
+        if force_ids:
+            body["return_token_ids"] = True
         if force_usage:
             body["stream_options"] = {
                 **(self.body.get("stream_options") or {}),

@@ -17,7 +17,9 @@ Those mark the replica failed (skipped for a few seconds). Any other answer of t
 error included (e.g. its 500 for a grammar it cannot satisfy), reaches the client once, in
 OpenAI's shape with the request id, and the replica stays in rotation. Waiting for a free pooled
 connection (``Upstream.max_connections``) is the gateway's own limit: a 503, never a replica
-failure. After the first byte, the stream ends with an SSE error event, never a silent cut.
+failure. After the first byte, the stream ends with an SSE error event, never a silent cut,
+unless the observer continues it on another replica (:mod:`serving.gateway.migration`); a 5xx
+error event that vLLM sends when its engine dies counts as such a break once ``/health`` fails.
 
 The client is aiohttp, not httpx: httpcore parses each chunk with h11 and wraps each read in an
 anyio timeout, while aiohttp's C parser feeds a plain buffer, which more than halved the gateway's
@@ -30,14 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import aiohttp
 
-from serving.errors import Unavailable, UpstreamError, sse_error_event
+from serving.errors import Unavailable, UpstreamError
+from serving.gateway.budget import RetryBudget
 from serving.gateway.protocol import normalize_upstream_error
 from serving.gateway.replicas import Lease, ReplicaGone
 
@@ -48,42 +50,6 @@ __all__ = ["Leaser", "Observer", "RetryBudget", "Upstream", "UpstreamResult", "f
 # Read errors of a response under way (a stream cut, a read timeout): never retried.
 BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 T = TypeVar("T")
-
-
-class RetryBudget:
-    """At most ``ratio`` retries per request over the last ``window_s`` seconds, plus
-    ``min_retries`` per window that are always allowed (so a quiet gateway can still fail over).
-    A storm of failures then adds at most ``ratio`` load instead of ``retries`` times it.
-    Pure; the clock is injected for tests."""
-
-    def __init__(self, ratio: float, min_retries: int, window_s: float = 10.0, buckets: int = 10) -> None:
-        self.ratio, self.min_retries = ratio, min_retries
-        self._width = window_s / buckets
-        self._n = buckets
-        self._requests: dict[int, int] = {}
-        self._retries: dict[int, int] = {}
-
-    def _totals(self, now: float) -> tuple[int, int]:
-        cur = int(now // self._width)
-        for d in (self._requests, self._retries):
-            for b in [b for b in d if b <= cur - self._n]:
-                del d[b]
-        return sum(self._requests.values()), sum(self._retries.values())
-
-    def request(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        b = int(now // self._width)
-        self._requests[b] = self._requests.get(b, 0) + 1
-
-    def try_retry(self, now: float | None = None) -> bool:
-        """Spend one retry if the budget has one."""
-        now = time.monotonic() if now is None else now
-        requests, retries = self._totals(now)
-        if retries >= self.min_retries + self.ratio * requests:
-            return False
-        b = int(now // self._width)
-        self._retries[b] = self._retries.get(b, 0) + 1
-        return True
 
 
 class Upstream:
@@ -153,11 +119,21 @@ Leaser = Callable[[], Awaitable[Lease]]
 
 
 class Observer(Protocol):
-    """Sees a request's bytes on their way back (usage, timings) and its end."""
+    """Sees a request's bytes on their way back (usage, timings) and its end.
+
+    ``held_error``: the stream ended with a 5xx error event that the observer kept back (the
+    relay then asks the replica's ``/health``); ``failed`` gives the bytes that end a stream that
+    broke after its first byte (an SSE error event, or nothing when the observer continues the
+    stream on another replica, :mod:`serving.gateway.migration`)."""
+
+    @property
+    def held_error(self) -> bool: ...
 
     def feed(self, chunk: bytes) -> bytes: ...
 
     def flush(self) -> bytes: ...
+
+    def failed(self, request_id: str) -> bytes: ...
 
     def retried(self) -> None: ...
 
@@ -257,8 +233,10 @@ async def _first_chunk(resp: aiohttp.ClientResponse) -> bytes:
 
 
 class _Cleanup:
-    def __init__(self, resp: aiohttp.ClientResponse, lease: Lease, obs: Observer, slot: Callable[[], None]) -> None:
-        self.resp, self.lease, self.obs, self.slot, self.done = resp, lease, obs, slot, False
+    def __init__(
+        self, client: Upstream, resp: aiohttp.ClientResponse, lease: Lease, obs: Observer, slot: Callable[[], None]
+    ) -> None:
+        self.client, self.resp, self.lease, self.obs, self.slot, self.done = client, resp, lease, obs, slot, False
         # A dead replica's engine may never close its sockets: close ours so the read ends.
         self.watcher = asyncio.ensure_future(self._watch())
 
@@ -296,17 +274,19 @@ async def _relay(first: bytes, cleanup: _Cleanup, request_id: str, obs: Observer
             out = obs.feed(chunk)
             if out:
                 yield out
-        tail = obs.flush()
-        if tail:
-            yield tail
-        status = 200
+        died = obs.held_error and not await _healthy(cleanup.client, lease)  # it said so in the stream
+        if died:
+            logger.warning("[%s] the engine of %s failed while streaming", request_id, lease.replica)
+        end = obs.failed(request_id) if died else obs.flush()
+        if end:
+            yield end
+        status = 502 if died else 200
     except BROKEN as exc:
         status = 502
         logger.warning("[%s] stream from %s broke: %s", request_id, lease.replica, type(exc).__name__)
-        yield obs.flush() + sse_error_event(
-            UpstreamError("The model replica failed while streaming; the response is incomplete."),
-            request_id,
-        )
+        end = obs.failed(request_id)
+        if end:
+            yield end
     finally:
         await cleanup(status)
 
@@ -381,7 +361,7 @@ async def forward(
             release_slot()
             lease.release()
             raise
-        cleanup = _Cleanup(resp, lease, obs, release_slot)
+        cleanup = _Cleanup(client, resp, lease, obs, release_slot)
         return UpstreamResult(
             200,
             headers,

@@ -25,8 +25,15 @@ class PassThrough:
     def feed(self, chunk: bytes) -> bytes:
         return chunk
 
+    held_error = False
+
     def flush(self) -> bytes:
         return b""
+
+    def failed(self, request_id: str) -> bytes:
+        from serving.errors import UpstreamError, sse_error_event
+
+        return sse_error_event(UpstreamError("The model replica failed while streaming."), request_id)
 
     def retried(self) -> None:
         pass
