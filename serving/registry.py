@@ -40,6 +40,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = [
+    "Adapter",
     "BaseRef",
     "BelowEvalGate",
     "CheckpointStore",
@@ -153,6 +154,18 @@ class TrainingRun(BaseModel):
     hyperparameters: dict[str, Any] = {}
 
 
+class Adapter(BaseModel):
+    """A LoRA adapter version: its shape, which the base deployment's engine must admit
+    (``--max-lora-rank``), and the modules it adapts. The base it applies to is the manifest's
+    ``base`` (always ``source: store``, with that version's manifest hash)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int
+    alpha: int
+    target_modules: list[str]
+
+
 class Manifest(BaseModel):
     """``manifest.json`` of one version. Extra fields are kept, so writers may add provenance.
 
@@ -169,6 +182,7 @@ class Manifest(BaseModel):
     base: BaseRef | None = None
     training: TrainingRun | None = None
     eval: Evaluation | None = None
+    adapter: Adapter | None = None
     files: dict[str, str]
     sizes: dict[str, int] = {}
     created_at: datetime

@@ -28,7 +28,7 @@ import fsspec
 
 from serving.registry import MANIFEST, BaseRef, CheckpointStore
 
-__all__ = ["BaseError", "ResolvedBase", "resolve_base"]
+__all__ = ["BaseError", "ResolvedBase", "is_store_ref", "resolve_base"]
 
 INIT: Final = "init:"
 HUB: Final = "hub:"
@@ -50,6 +50,11 @@ class ResolvedBase:
     @property
     def is_init(self) -> bool:
         return self.ref.source == "init"
+
+
+def is_store_ref(ref: str) -> bool:
+    """Whether ``ref`` names a version of the checkpoint store (``model@version``)."""
+    return _STORE_REF.match(ref) is not None and not Path(ref).expanduser().exists()
 
 
 def _check_folder(directory: str, label: str) -> str:

@@ -15,6 +15,8 @@ Why it looks like this:
 * After the last step all ranks score a shard of the evaluation rows (:mod:`training.evaluate`)
   and rank 0 reports a final checkpoint with the Hugging Face folder (``hf/``) and ``result.json``;
   the folder holds the new weights and the base's own tokenizer files, copied byte for byte.
+* With ``extra["lora"]`` the base is wrapped in peft adapters (:mod:`training.lora`): only they
+  train, checkpoints hold only their weights, and ``hf/`` is the adapter folder vLLM loads.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from training import lora
 from training.encode import IGNORE
 from training.evaluate import evaluate
 
@@ -138,13 +141,21 @@ def _step(ddp: Any, micro: list[tuple[Any, Any, Any]]) -> float:
     return value
 
 
-def _restore(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+def _weights(spec: RunSpec, model: Any) -> dict[str, Any]:
+    """What a checkpoint keeps of the model: every weight, or an adapter's only."""
+    return lora.adapter_state(model) if "lora" in spec.extra else dict(model.state_dict())
+
+
+def _restore(spec: RunSpec, model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return {"step": 0, "loss": float("nan")}
     with checkpoint.as_directory() as directory:
         state = torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
+    if "lora" in spec.extra:
+        lora.load_adapter_state(model, state["model"])
+    else:
+        model.load_state_dict(state["model"])
     if "optimizer" in state:  # absent from the final checkpoint, where no step remains
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -177,8 +188,11 @@ def _mean_across_ranks(value: float) -> float:
 
 def _setup(spec: RunSpec, world: int) -> tuple[Any, Any, Any]:
     model = AutoModelForCausalLM.from_pretrained(spec.base_dir, dtype=torch.float32)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    if "lora" in spec.extra:
+        model = lora.wrap(model, spec.extra["lora"])
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in trained if p.ndim >= 2]
+    no_decay = [p for n, p in trained if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=spec.lr)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
@@ -210,15 +224,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // ctx.get_local_world_size()))
     rows: list[tuple[list[int], list[int]]] = ray.get(spec.train_rows)
     model, optimizer, scheduler = _setup(spec, world)
-    restored = _restore(model, optimizer, scheduler)
+    restored = _restore(spec, model, optimizer, scheduler)
     start = restored["step"]
     ddp = ray.train.torch.prepare_model(model)
     per_rank = max(1, spec.batch_size // world)
     if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         what = f"resuming at step {start}" if start else "starting"
         logger.info(
-            f"[{spec.label}] {what}: {n_params:,} parameters, {world} worker(s) x {per_rank} rows "
+            f"[{spec.label}] {what}: {n_params:,} trained parameters, {world} worker(s) x {per_rank} rows "
             f"x {torch.get_num_threads()} thread(s), {len(rows)} rows, {spec.steps} steps"
         )
     # the reported loss is the mean of the last RECENT steps: the run's current level, not its history
@@ -239,7 +253,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             spec.board.post.remote(post | {"lr": scheduler.get_last_lr()[0], "eta_s": eta})
         if step % spec.checkpoint_every == 0 and step < spec.steps:
             loss_value = _mean_across_ranks(sum(window) / len(window))
-            state = {"step": step, "loss": loss_value, "model": model.state_dict()}
+            state = {"step": step, "loss": loss_value, "model": _weights(spec, model)}
             state |= {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
             _report({"step": step, "loss": loss_value}, rank, step, state)
     if window:
@@ -265,9 +279,12 @@ def _finish(spec: RunSpec, model: Any, rank: int, world: int, start: int, final_
 
     def write_hf(directory: Path) -> None:
         hf = directory / HF_DIR
-        model.cpu().save_pretrained(hf)
-        copy_tokenizer_files(spec.base_dir, hf)
+        if "lora" in spec.extra:  # the adapter folder vLLM loads; the base keeps the tokenizer
+            lora.save_adapter(model.cpu(), hf, spec.extra["base_ref"])
+        else:
+            model.cpu().save_pretrained(hf)
+            copy_tokenizer_files(spec.base_dir, hf)
         (directory / RESULT_FILE).write_text(json.dumps(result))
 
-    state = {"step": spec.steps, "loss": final_loss, "model": model.state_dict()}
+    state = {"step": spec.steps, "loss": final_loss, "model": _weights(spec, model)}
     _report({"step": spec.steps, "loss": final_loss, "done": True}, rank, spec.steps, state, write_hf)

@@ -32,10 +32,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from serving.registry import CheckpointStore, RegistryError, check_name
-from training.bases import BaseError, ResolvedBase, resolve_base
+from serving.registry import CheckpointStore, RegistryError, architecture_of, check_name
+from training.bases import BaseError, ResolvedBase, is_store_ref, resolve_base
 from training.encode import EncodeError
 from training.jsonl import DataError, Dataset, resolve_data
+from training.lora import LoraOptions
 
 __all__ = ["DEFAULT_CHECKPOINT_EVERY", "METHODS", "TrainingError", "default_hyperparameters", "main", "parser", "train"]
 
@@ -71,12 +72,14 @@ def _weights_params(directory: str) -> int:
     return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors")) // 4
 
 
-def default_hyperparameters(base: ResolvedBase, rows: int) -> dict[str, Any]:
+def default_hyperparameters(base: ResolvedBase, rows: int, lora: bool = False) -> dict[str, Any]:
     """Defaults that train the project's tiny bases from scratch and stay sane for a real base.
 
     From scratch (``init:``) a high one-cycle peak learns a small model fast; a pretrained base
     takes a smaller step so a fine-tune does not wipe what it knows (3e-3 below ~10M parameters,
-    1e-4 below ~100M, 2e-5 above), with about three passes over the data, within bounds.
+    1e-4 below ~100M, 2e-5 above), with about three passes over the data, within bounds. A LoRA
+    adapter starts at zero and cannot wipe the base, so it takes the usual larger adapter step
+    (3e-3 on a tiny base, 2e-4 on a real one).
     """
     if base.is_init:
         return {"steps": 1000, "batch_size": 128, "lr": 3e-3, "warmup": 0.1, "weight_decay": 0.01}
@@ -84,6 +87,8 @@ def default_hyperparameters(base: ResolvedBase, rows: int) -> dict[str, Any]:
     # a few-million-parameter base (the project's own) needs a large step to learn a new task in a
     # few hundred steps; real pretrained bases get the usual small ones
     lr = 3e-3 if params < 10_000_000 else 1e-4 if params < 100_000_000 else 2e-5
+    if lora:
+        lr = 3e-3 if params < 10_000_000 else 2e-4
     batch = 128 if params < 10_000_000 else 16  # a tiny base's step costs little; more rows a step
     steps = min(2000, max(20, math.ceil(3 * rows / batch)))
     return {"steps": steps, "batch_size": batch, "lr": lr, "warmup": 0.05, "weight_decay": 0.0}
@@ -241,10 +246,8 @@ def _corpus(train_set: Dataset) -> list[dict[str, Any]]:
 def _check_args(model: str, version: str, method: str, workers: int, steps: int | None, every: int) -> None:
     check_name("model", model)
     check_name("version", version)
-    if method == "lora":
-        raise TrainingError("--method lora is not supported yet; use --method full")
     if method not in METHODS:
-        raise TrainingError(f"unknown method {method!r}; expected full")
+        raise TrainingError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
     if workers < 1 or every < 1 or (steps is not None and steps < 1):
         raise TrainingError("workers, steps and checkpoint_every must be >= 1")
 
@@ -268,14 +271,22 @@ def train(
     use_gpu: bool | None = None,
     ray_address: str | None = None,
     keep_run: bool = False,
+    lora: LoraOptions | None = None,
 ) -> dict[str, Any]:
     """Train ``model@version`` from ``base`` on ``data``, evaluate on ``eval_data``, publish under
     ``root`` and return the published manifest as a dict.
 
     Unset hyperparameters come from :func:`default_hyperparameters`. Ray is started locally unless
-    it is already initialised, ``ray_address`` is given or ``RAY_ADDRESS`` is set.
+    it is already initialised, ``ray_address`` is given or ``RAY_ADDRESS`` is set. With
+    ``method="lora"`` the version is a peft adapter of ``base`` (which must be a store version,
+    ``model@version``, so the adapter names the exact weights it applies to), shaped by ``lora``.
     """
     _check_args(model, version, method, workers, steps, checkpoint_every)
+    if method == "lora" and not is_store_ref(base):
+        raise TrainingError(
+            f"--method lora needs a base from the checkpoint store (model@version), not {base!r}: "
+            "an adapter records the exact base version it applies to, and only a store version has one"
+        )
     store = CheckpointStore(root)
     if store.exists(model, version):
         raise TrainingError(
@@ -292,6 +303,7 @@ def train(
             "threads": threads,
         }
         opts |= {"checkpoint_every": checkpoint_every, "use_gpu": use_gpu, "ray_address": ray_address}
+        opts |= {"lora": (lora or LoraOptions()) if method == "lora" else None}
         return _train(
             store, model, version, base, data, eval_data, method, seed, workdir, opts | {"keep_run": keep_run}
         )
@@ -319,13 +331,16 @@ def _train(
     base = resolve_base(
         base_ref, store, workdir, CACHE_DIR / "bases", lambda: _corpus(train_set), train_set.ref.sha256, seed
     )
+    lora: LoraOptions | None = opts["lora"]
     encoded = _encode(base, train_set, eval_set)
-    hyper = default_hyperparameters(base, len(encoded["rows"]))
+    hyper = default_hyperparameters(base, len(encoded["rows"]), lora=lora is not None)
     for key in ("steps", "batch_size", "lr"):
         if opts.get(key) is not None:
             hyper[key] = opts[key]
     job = {"model": model, "version": version, "base": base.ref.model_dump(), "method": method, "seed": seed}
     job |= {"data": train_set.ref.sha256, "eval": eval_set.ref.sha256, **hyper}
+    if lora is not None:
+        job["lora"] = lora.as_dict()
     run = _claim_run_dir(store, model, version, job)
     prep_s = time.monotonic() - t0
     outcome, workers = _fit(store, run, f"{model}@{version}", base, encoded, hyper, seed, opts)
@@ -349,6 +364,9 @@ def _train(
         "eval": {"metrics": outcome["metrics"], "n": outcome["n"], "data": eval_set.ref},
         "code_revision": code_revision(),
     }
+    if lora is not None:
+        fields["adapter"] = lora.as_dict()
+        fields["architecture"] = architecture_of(base.directory)
     manifest = store.publish(Path(outcome["hf"]), fields)
     shutil.rmtree(outcome["hf"], ignore_errors=True)
     if not opts["keep_run"]:
@@ -384,6 +402,8 @@ def _fit(
         config |= {"checkpoint_every": opts["checkpoint_every"], "threads": opts["threads"]}
         config |= {"train_rows": ray.put(encoded["rows"]), "eval_items": ray.put(encoded["items"])}
         config |= {"stop_ids": encoded["stop_ids"], "pad_id": encoded["pad_id"]}
+        if opts["lora"] is not None:
+            config["extra"] = {"lora": opts["lora"].as_dict(), "base_ref": base.ref.ref}
         try:
             private = stop_ray is not None and opts["ray_address"] is None and not os.environ.get("RAY_ADDRESS")
             result = _run_trainer(store, run, config, workers, opts["use_gpu"], private)
@@ -413,7 +433,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base", required=True, help="init:<family>-<size>, model@version, folder, URI or hub id")
     p.add_argument("--data", required=True, help="training JSONL (path or URI) or builtin:<task>")
     p.add_argument("--eval", default=None, help="eval JSONL; default: builtin eval, or a seeded 5%% holdout")
-    p.add_argument("--method", default="full", choices=METHODS, help="full (lora: not yet)")
+    p.add_argument("--method", default="full", choices=METHODS, help="full weights, or a LoRA adapter (peft)")
     p.add_argument("--root", required=True, help="checkpoint store: local path or fsspec URI")
     p.add_argument("--steps", type=int, default=None, help="default: depends on the base and the data")
     p.add_argument("--batch-size", type=int, default=None)
@@ -423,6 +443,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY)
     p.add_argument("--keep-run", action="store_true", help="keep Ray Train state after publishing")
+    lora = p.add_argument_group("LoRA (--method lora)")
+    lora.add_argument("--lora-rank", type=int, default=LoraOptions.rank, help="adapter rank r")
+    lora.add_argument("--lora-alpha", type=int, default=LoraOptions.alpha, help="scaling alpha")
+    lora.add_argument(
+        "--lora-targets",
+        default=",".join(LoraOptions.target_modules),
+        help="comma-separated module names to adapt (the attention and MLP projections by default)",
+    )
     return p
 
 
@@ -440,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             method=args.method,
             checkpoint_every=args.checkpoint_every,
             keep_run=args.keep_run,
+            lora=LoraOptions.from_args(args.lora_rank, args.lora_alpha, args.lora_targets),
             **opts,
         )
     except (TrainingError, RegistryError, BaseError, DataError, EncodeError, ValueError) as exc:

@@ -11,7 +11,9 @@ processes, hence the ``__main__`` guard)::
         python -m training.vllm_eval --root ./checkpoints --model adder --version v1 [--eval FILE]
 
 It verifies the version's hashes first and prints one JSON line. ``--eval`` defaults to the
-manifest's eval file (a holdout of the training file must be given explicitly).
+manifest's eval file (a holdout of the training file must be given explicitly). A LoRA adapter
+version is scored on its base version (verified too) with ``--enable-lora``, the adapter applied
+to every request, as a base replica serves it.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from training.jsonl import load_jsonl
 __all__ = ["evaluate_with_vllm", "main"]
 
 
-def evaluate_with_vllm(directory: str, eval_uri: str, n: int = 200, max_model_len: int = 512) -> dict[str, Any]:
-    """Exact match of the model in ``directory`` on the first ``n`` rows of ``eval_uri``."""
+def evaluate_with_vllm(
+    directory: str, eval_uri: str, n: int = 200, max_model_len: int = 512, adapter: tuple[str, int] | None = None
+) -> dict[str, Any]:
+    """Exact match of the model in ``directory`` on the first ``n`` rows of ``eval_uri``; with
+    ``adapter`` (its folder and rank), of that LoRA adapter applied to the model."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
@@ -44,7 +49,14 @@ def evaluate_with_vllm(directory: str, eval_uri: str, n: int = 200, max_model_le
     encoder = Encoder(tokenizer, max_model_len, stop)
     items = [encoder.eval_item(r) for r in rows]
     t0 = time.monotonic()
-    llm = LLM(model=directory, dtype="float32", max_model_len=max_model_len, seed=0)
+    lora_args: dict[str, Any] = {}
+    lora: dict[str, Any] = {}
+    if adapter is not None:
+        from vllm.lora.request import LoRARequest
+
+        lora_args = {"enable_lora": True, "max_lora_rank": adapter[1], "max_loras": 1}
+        lora = {"lora_request": LoRARequest("adapter", 1, adapter[0])}
+    llm = LLM(model=directory, dtype="float32", max_model_len=max_model_len, seed=0, **lora_args)
     load_s = time.monotonic() - t0
     params = [
         SamplingParams(
@@ -53,14 +65,14 @@ def evaluate_with_vllm(directory: str, eval_uri: str, n: int = 200, max_model_le
         for it in items
     ]
     prompts = [TokensPrompt(prompt_token_ids=it.prompt_ids) for it in items]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, **lora)
     generated = [normalise(o.outputs[0].text) == it.reference for o, it in zip(outputs, items, strict=True)]
     chat_idx = [i for i, r in enumerate(rows) if r.format == "chat"]
     chats: list[Any] = [_prompt_messages(rows[i].messages or []) for i in chat_idx]
     tools = [rows[i].tools for i in chat_idx]
     chat_hits = []
     for conversation, tool, i in zip(chats, tools, chat_idx, strict=True):  # one call per tool set
-        out = llm.chat([conversation], params[i], use_tqdm=False, tools=tool)
+        out = llm.chat([conversation], params[i], use_tqdm=False, tools=tool, **lora)
         chat_hits.append(normalise(out[0].outputs[0].text) == items[i].reference)
     return {
         "n": len(items),
@@ -90,7 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     uri = args.eval or (manifest.eval.data.uri if manifest.eval and manifest.eval.data else None)
     if uri is None or "#" in uri:
         p.error(f"{args.model}@{args.version} was evaluated on {uri!r}; pass --eval FILE")
-    result = evaluate_with_vllm(store.local_path(args.model, args.version), uri, args.n)
+    directory, adapter = store.local_path(args.model, args.version), None
+    if manifest.adapter is not None and manifest.base is not None:
+        base_model, base_version = manifest.base.ref.split("@", 1)
+        store.verify(base_model, base_version)
+        directory, adapter = store.local_path(base_model, base_version), (directory, manifest.adapter.rank)
+    result = evaluate_with_vllm(directory, uri, args.n, adapter=adapter)
     result["manifest_exact_match"] = manifest.eval.value("exact_match") if manifest.eval else None
     print(json.dumps(result), flush=True)
     return 0

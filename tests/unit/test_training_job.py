@@ -11,12 +11,17 @@ import pytest
 from serving.registry import BaseRef
 from training.bases import ResolvedBase
 from training.evaluate import metrics_from_sums
+from training.lora import LoraOptions
 from training.train import TrainingError, default_hyperparameters, main, train
 
 
-def test_lora_is_not_yet_and_bad_arguments_fail_early(tmp_path: Path) -> None:
-    with pytest.raises(TrainingError, match="lora is not supported yet"):
+def test_lora_needs_a_store_base_and_bad_arguments_fail_early(tmp_path: Path) -> None:
+    with pytest.raises(TrainingError, match="needs a base from the checkpoint store"):
         train("m", "v1", str(tmp_path), "init:llama-tiny", "builtin:add", method="lora")
+    with pytest.raises(ValueError, match="rank >= 1"):
+        LoraOptions.from_args(0, 16, "q_proj")
+    with pytest.raises(ValueError, match="target module"):
+        LoraOptions.from_args(8, 16, " , ")
     with pytest.raises(TrainingError, match="unknown method"):
         train("m", "v1", str(tmp_path), "init:llama-tiny", "builtin:add", method="qlora")
     with pytest.raises(TrainingError, match=">= 1"):
@@ -31,7 +36,7 @@ def test_lora_is_not_yet_and_bad_arguments_fail_early(tmp_path: Path) -> None:
 def test_cli_reports_errors_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--model", "m", "--version", "v1", "--base", "init:llama-tiny", "--data", "builtin:add"]
     assert main([*args, "--root", str(tmp_path), "--method", "lora"]) == 2
-    assert "lora is not supported yet" in capsys.readouterr().err
+    assert "needs a base from the checkpoint store" in capsys.readouterr().err
     assert main([*args, "--root", str(tmp_path), "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "cannot read" in capsys.readouterr().err
 
@@ -45,6 +50,9 @@ def test_default_hyperparameters(tmp_path: Path) -> None:
         fh.truncate(400_000_004)  # a sparse file: the size of ~100M float32 parameters
     big = default_hyperparameters(ResolvedBase(str(tmp_path), BaseRef(source="hub", ref="x")), 10_000)
     assert big["lr"] < tuned["lr"] and big["steps"] == 1875
+    store_base = ResolvedBase(str(tmp_path), BaseRef(source="store", ref="m@v1"))
+    adapter = default_hyperparameters(store_base, 10_000, lora=True)
+    assert adapter["lr"] > big["lr"] and adapter["steps"] == big["steps"]  # an adapter takes a larger step
 
 
 def test_metrics_from_sums() -> None:
