@@ -288,3 +288,31 @@ async def test_messages_routes_answer_in_anthropics_shape_with_either_key_header
         assert codes == [400, 400, 429]
         limited = await c.post("/v1/messages", json=body, headers=b)
         assert limited.json()["error"]["type"] == "rate_limit_error" and limited.headers["retry-after"]
+
+
+def test_either_key_header_names_the_tenant_and_bearer_wins() -> None:
+    from serving.config import AuthConfig
+    from serving.gateway.admission.auth import Authenticator
+
+    auth = Authenticator(AuthConfig.model_validate(STACK["auth"]))
+    assert auth.authenticate(None, KEYS["a"]).name == "a"
+    assert auth.authenticate(f"Bearer {KEYS['b']}", KEYS["a"]).name == "b"
+    with pytest.raises(AuthenticationError):
+        auth.authenticate(None, "sk-wrong")
+    with pytest.raises(AuthenticationError):
+        auth.authenticate(None, " ")
+
+
+def test_model_cards_carry_the_versions_manifest_time_and_capabilities() -> None:
+    from serving.gateway.routing import GatewayRoutes, RoutingTable
+
+    stack = {**STACK, "models": [{**STACK["models"][0], "aliases": ["alias"], "versions": [
+        {"version": "v1", "weight": 10}, {"version": "v2", "weight": 90}]}]}  # fmt: skip
+    cfg = parse_config(stack)
+    routes = routing_user_config(cfg, lambda m, v: {"v1": 1_700_000_001, "v2": 1_700_000_002}[v.version])
+    table = RoutingTable.from_routes(GatewayRoutes.model_validate(routes))
+    cards = {i: table.model_card(i) for i, _ in table.model_ids()}
+    assert cards["m@v1"]["created"] == 1_700_000_001
+    assert cards["m"]["created"] == cards["alias"]["created"] == 1_700_000_002  # the live version's
+    assert "responses" in cards["m"]["capabilities"]  # type: ignore[operator]
+    assert routing_user_config(cfg)["models"][0]["versions"][0]["created"] == 0
