@@ -25,7 +25,9 @@ from serving.gateway.routing import GatewayRoutes, Resolved, RoutingTable
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["Exchange", "GatewayCore"]
+__all__ = ["NO_PROMPT", "Exchange", "GatewayCore"]
+
+NO_PROMPT = "\x00"  # the prefix-affinity hint of a request with no leading text
 
 
 class Exchange:
@@ -163,7 +165,9 @@ class GatewayCore:
     def hint_for(self, resolved: Resolved, parsed: Forwardable, session_id: str | None) -> LeaseHint:
         router = resolved.model.router
         if router == "prefix_affinity":
-            return LeaseHint(prompt=parsed.prompt_text())
+            # ray.serve.llm's prefix router divides by the prompt's length and fails on None: a
+            # request without leading text (content parts, /detokenize) would never be routed
+            return LeaseHint(prompt=parsed.prompt_text() or NO_PROMPT)
         if router == "session_affinity":
             return LeaseHint(session_id=session_id)
         return LeaseHint()

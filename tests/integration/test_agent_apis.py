@@ -21,6 +21,14 @@ WINDOW = 10.0  # auth.window_s in tests/integration/stack.yaml
 ANTHROPIC_ERROR = {"type", "error"}
 
 
+def _post(url: str, **kw: Any) -> httpx.Response:
+    return httpx.post(url, timeout=60, **kw)
+
+
+def _get(url: str, **kw: Any) -> httpx.Response:
+    return httpx.get(url, timeout=60, **kw)
+
+
 def _fresh_window() -> None:
     time.sleep(WINDOW - time.time() % WINDOW + 0.05)
 
@@ -155,10 +163,10 @@ def test_messages_errors_are_in_anthropics_shape(stack: Stack) -> None:
     with pytest.raises(anthropic.NotFoundError) as missing:
         limited.messages.create(model="subtractor", max_tokens=2, messages=msg)  # type: ignore[arg-type]
     _anthropic_error(missing.value.body, "not_found_error")
-    r = httpx.post(f"{stack.url}/v1/messages", json={"model": "adder", "messages": msg}, headers=stack.headers())
+    r = _post(f"{stack.url}/v1/messages", json={"model": "adder", "messages": msg}, headers=stack.headers())
     assert r.status_code == 400
     _anthropic_error(r.json(), "invalid_request_error")  # max_tokens is required
-    engine = httpx.post(  # vLLM's own 400 (an unknown role), normalised to the same shape
+    engine = _post(  # vLLM's own 400 (an unknown role), normalised to the same shape
         f"{stack.url}/v1/messages",
         json={"model": "adder", "max_tokens": 2, "messages": [{"role": "robot", "content": "x"}]},
         headers=stack.headers(),
@@ -197,9 +205,7 @@ def test_limits_apply_to_the_agent_apis(stack: Stack) -> None:
     assert 60 <= used < 60 + 30
     # requests that generate nothing still pass: they count against RPM only (tokens has none)
     assert tokens.messages.count_tokens(model="adder", messages=msg).input_tokens > 0  # type: ignore[arg-type]
-    t = httpx.post(
-        f"{stack.url}/tokenize", json={"model": "adder", "prompt": "12+30="}, headers=stack.headers("tokens")
-    )
+    t = _post(f"{stack.url}/tokenize", json={"model": "adder", "prompt": "12+30="}, headers=stack.headers("tokens"))
     assert t.status_code == 200, t.text
     responses = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["tokens"], max_retries=0)
     with pytest.raises(openai.RateLimitError):
@@ -211,15 +217,15 @@ def test_limits_apply_to_the_agent_apis(stack: Stack) -> None:
 
 def test_tokenize_round_trip_and_model_list(stack: Stack) -> None:
     h = stack.headers()
-    t = httpx.post(f"{stack.url}/tokenize", json={"model": "subtractor", "prompt": "50-8="}, headers=h)
+    t = _post(f"{stack.url}/tokenize", json={"model": "subtractor", "prompt": "50-8="}, headers=h)
     assert t.status_code == 200 and t.json()["count"] == len(t.json()["tokens"]) > 0
-    d = httpx.post(f"{stack.url}/detokenize", json={"model": "subtractor", "tokens": t.json()["tokens"]}, headers=h)
+    d = _post(f"{stack.url}/detokenize", json={"model": "subtractor", "tokens": t.json()["tokens"]}, headers=h)
     assert d.status_code == 200 and "50-8=" in d.json()["prompt"]
-    other = httpx.post(
+    other = _post(
         f"{stack.url}/tokenize", json={"model": "subtractor", "prompt": "1"}, headers=stack.headers("limited")
     )
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
-    cards = httpx.get(f"{stack.url}/v1/models", headers=h).json()["data"]
+    cards = _get(f"{stack.url}/v1/models", headers=h).json()["data"]
     by_id = {c["id"]: c for c in cards}
     now = time.time()
     for cid in ("adder", "adder@v1", "subtractor@v1"):

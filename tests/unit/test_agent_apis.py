@@ -316,3 +316,21 @@ def test_model_cards_carry_the_versions_manifest_time_and_capabilities() -> None
     assert cards["m"]["created"] == cards["alias"]["created"] == 1_700_000_002  # the live version's
     assert "responses" in cards["m"]["capabilities"]  # type: ignore[operator]
     assert routing_user_config(cfg)["models"][0]["versions"][0]["created"] == 0
+
+
+def test_requests_without_leading_text_still_get_a_prefix_affinity_hint() -> None:
+    """ray.serve.llm's PrefixCacheAffinityRouter divides by the hint's length (found by the
+    integration test: a /detokenize to subtractor hung with its ZeroDivisionError)."""
+    from serving.gateway.core import NO_PROMPT
+    from serving.gateway.protocol import parse_request
+    from serving.gateway.routing import GatewayRoutes, RoutingTable
+
+    stack = {**STACK, "models": [{**STACK["models"][0], "deployment": {"router": "prefix_affinity"}}]}
+    table = RoutingTable.from_routes(GatewayRoutes.model_validate(routing_user_config(parse_config(stack))))
+    core = GatewayCore(GatewayConfig(), OneReplica("http://unused"))
+    resolved = table.resolve("m")
+    parts = b'{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"x"}]}]}'
+    for parsed in (parse_agent_request(b'{"model":"m","tokens":[1,2]}', "detokenize"), parse_request(parts, "chat")):
+        assert core.hint_for(resolved, parsed, None).prompt == NO_PROMPT
+    tokenize = parse_agent_request(b'{"model":"m","prompt":"50-8="}', "tokenize")
+    assert core.hint_for(resolved, tokenize, None).prompt == "50-8="
