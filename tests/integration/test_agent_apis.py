@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.conftest import Stack
+from tests.integration.raytools import ray_run
 
 pytestmark = pytest.mark.integration
 
@@ -106,9 +107,39 @@ def test_a_follow_up_is_expanded_by_the_gateway_and_served_by_another_replica(oa
         pytest.fail("every follow-up landed on the first response's replica")
     r2 = raw.parse()
     assert r2.previous_response_id == r1.id and r2.usage is not None
+    # the other gateway replica (each new connection may land on either) answers from the same store
+    for _ in range(20):
+        got = _get(f"{oai.base_url}responses/{r1.id}", headers={"authorization": f"Bearer {oai.api_key}"})
+        if got.headers["x-gateway-replica"] != first.headers["x-gateway-replica"]:
+            break
+    else:
+        pytest.fail("every retrieval reached the gateway replica that stored the response")
+    assert got.status_code == 200 and got.json()["id"] == r1.id
     # the history (first input and output) went to the other replica as input items
     assert r2.usage.input_tokens > r1.usage.input_tokens + r1.usage.output_tokens
     assert oai.responses.retrieve(r2.id).previous_response_id == r1.id
+
+
+RESTART = """
+import time
+ray.kill(ray.get_actor("raystack-responses"), no_restart=False)
+deadline = time.time() + 30
+while time.time() < deadline:
+    try:
+        ray.get(ray.get_actor("raystack-responses").get.remote("probe", "none"), timeout=2)
+        break
+    except Exception:
+        time.sleep(0.2)
+print(json.dumps(True))
+"""
+
+
+def test_stored_responses_survive_a_restart_of_the_store(oai: openai.OpenAI, stack: Stack) -> None:
+    r = oai.responses.create(model="subtractor", input="50-8=", max_output_tokens=4)
+    assert ray_run(stack, RESTART)
+    assert oai.responses.retrieve(r.id).output_text == r.output_text  # reloaded from Ray's key-value store
+    follow = oai.responses.create(model="subtractor", input="9-1=", previous_response_id=r.id, max_output_tokens=2)
+    assert follow.previous_response_id == r.id
 
 
 def test_store_false_is_not_retrievable_and_unknown_ids_are_404(oai: openai.OpenAI, stack: Stack) -> None:
