@@ -138,7 +138,8 @@ def _stored_routes(app: FastAPI, core: GatewayCore, store: ResponseStore, error:
         return tenant, record
 
     def _json(value: Any) -> Response:
-        return Response(msgspec.json.encode(value), media_type=_JSON)
+        headers = {"x-gateway-replica": core.replica_id} if core.settings.expose_replica_header else None
+        return Response(msgspec.json.encode(value), headers=headers, media_type=_JSON)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, request: Request) -> Response:

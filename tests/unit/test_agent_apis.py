@@ -232,7 +232,9 @@ async def _stack() -> AsyncIterator[tuple[httpx.AsyncClient, list[dict[str, Any]
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    core = GatewayCore(GatewayConfig(), OneReplica(url), response_store_actor=_Local(ResponseStoreActor(MemoryKV(), 0)))
+    actor = _Local(ResponseStoreActor(MemoryKV(), 0))
+    settings = GatewayConfig(expose_replica_header=True)
+    core = GatewayCore(settings, OneReplica(url), replica_id="gw-1", response_store_actor=actor)
     core.quota = QuotaClient(60, _Local(QuotaActor(MemoryKV(), checkpoint_s=0)))  # kept by reconfigure
     core.reconfigure(routing_user_config(parse_config(STACK)))
     transport = httpx.ASGITransport(app=create_api(core, set_request_id_header=True))
@@ -260,6 +262,7 @@ async def test_the_gateway_keeps_responses_per_tenant_and_expands_follow_ups() -
         assert "previous_response_id" not in seen[1]
         got = await c.get("/v1/responses/resp_2", headers={"x-api-key": KEYS["a"]})
         assert got.status_code == 200 and got.json()["output"][0]["id"] == "msg_2"
+        assert got.headers["x-gateway-replica"] == "gw-1"  # which gateway replica answered (debug header)
         other = await c.get("/v1/responses/resp_2", headers={"authorization": f"Bearer {KEYS['b']}"})
         assert other.status_code == 404 and set(other.json()["error"]) == {"message", "type", "param", "code"}
         cancel = await c.post("/v1/responses/resp_2/cancel", headers=a)
