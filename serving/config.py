@@ -214,6 +214,20 @@ class ModelConfig(_Strict):
         return max(self.versions, key=lambda v: v.weight).version
 
 
+class ResponseStoreConfig(_Strict):
+    """The gateway's store of Responses API responses (`store: true`), per tenant."""
+
+    ttl_s: float = Field(86400, gt=0, description="A stored response is kept this long after it is written.")
+    max_per_tenant: int = Field(1000, ge=1, description="Stored responses per tenant; beyond it the oldest go.")
+    max_bytes_per_tenant: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Bytes of stored responses per tenant; beyond it the oldest go."
+    )
+    max_response_bytes: int = Field(
+        1024 * 1024, ge=1024, description="A response (with its conversation) larger than this is not stored."
+    )
+    timeout_s: float = Field(2.0, gt=0, le=60, description="Longest wait for the store's answer; then 503.")
+
+
 class GatewayConfig(_Strict):
     """The OpenAI-compatible ingress."""
 
@@ -292,6 +306,9 @@ class GatewayConfig(_Strict):
     )
     max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request); larger gets 400.")
     default_model: str | None = Field(None, description="Model used when a request names none.")
+    responses: ResponseStoreConfig = Field(
+        default_factory=ResponseStoreConfig, description="Where `store: true` Responses are kept, and how long."
+    )
     expose_replica_header: bool = Field(
         False,
         description="Add x-replica (the serving replica), x-replica-route (direct | serve), x-upstream-attempts and "

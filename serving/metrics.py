@@ -66,6 +66,19 @@ class GatewayMetrics:
             "or a request the gateway does not continue).",
             tag_keys=("model", "version", "outcome"),
         )
+        # ``api``: the route family (chat, completion, responses, messages, count_tokens, tokenize,
+        # detokenize), a fixed set named by the route, never by the client
+        self.api_requests = m.Counter(
+            "raystack_api_requests",
+            "Requests answered by the gateway, by API.",
+            tag_keys=("api", *keys, "status_class"),
+        )
+        # ``op``: put | get | delete | cancel; ``result``: ok | missing | too_large | error
+        self.response_store = m.Counter(
+            "raystack_response_store_ops",
+            "Operations on the gateway's store of Responses API responses.",
+            tag_keys=("op", "tenant", "result"),
+        )
 
     def tags(self, model: str, version: str, tenant: str) -> dict[str, str]:
         return {"model": model, "version": version, "tenant": tenant}

@@ -273,6 +273,18 @@ def check_files(manifest: Manifest, present: set[str], digest: Callable[[str], s
         )
 
 
+def created_at(version_dir: str) -> int:
+    """The Unix time a version's manifest says it was created (``<version_dir>/manifest.json``,
+    a local path or fsspec URI); 0 when there is no readable manifest (a version still to be
+    built, a store out of reach). What the gateway shows as a model's ``created``."""
+    try:
+        fs, path = fsspec.core.url_to_fs(version_dir)
+        raw = bytes(fs.cat_file(f"{path.rstrip('/')}/{MANIFEST}"))
+        return int(Manifest.model_validate_json(raw).created_at.timestamp())
+    except Exception:  # noqa: BLE001 - best effort: an unknown time is 0, never a failed deploy
+        return 0
+
+
 class CheckpointStore:
     """The checkpoint store at ``root`` (local path or fsspec URI).
 

@@ -17,6 +17,7 @@ __all__ = ["config_reference"]
 SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("(top level)", c.StackConfig),
     ("gateway", c.GatewayConfig),
+    ("gateway.responses", c.ResponseStoreConfig),
     ("auth", c.AuthConfig),
     ("auth.tenants[]", c.TenantConfig),
     ("local_ray", c.LocalRayConfig),
@@ -56,6 +57,8 @@ def _type(annotation: Any) -> str:
 def _default(field: Any) -> str:
     if field.default_factory is not None:
         value = field.default_factory()
+        if isinstance(value, BaseModel):
+            return "(defaults below)"
         return "[]" if value == [] else ("{}" if value == {} else repr(value))
     if field.default is PydanticUndefined:
         return "**required**"

@@ -11,11 +11,13 @@ table is its Serve ``user_config``: changing weights or adding a version is appl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from serving.config import AutoscalingConfig, ModelConfig, ModelVersion, StackConfig
 from serving.gateway.routing import GatewayRoutes, ModelRoute, VersionRoute
+from serving.registry import created_at
 from serving.replica.engine import EngineSpec
 from serving.replica.routers import ROUTER_CLASSES
 
@@ -39,9 +41,12 @@ def _shed_at(m: ModelConfig) -> int:
     return max(1, (replicas * d.max_ongoing_requests + d.max_queued_requests) // 2)
 
 
-def routing_user_config(cfg: StackConfig) -> dict[str, Any]:
+def routing_user_config(
+    cfg: StackConfig, created: Callable[[ModelConfig, ModelVersion], int] | None = None
+) -> dict[str, Any]:
     """The gateway's ``user_config``: a :class:`GatewayRoutes` (routes and tenants: key hashes and
-    env-var names, never keys) as JSON, validated again by the gateway."""
+    env-var names, never keys) as JSON, validated again by the gateway. ``created`` gives a
+    version's manifest time (``serving up`` and promotions read it from the store; 0 without)."""
     routes = GatewayRoutes(
         default_model=cfg.gateway.default_model,
         auth=cfg.auth,
@@ -56,7 +61,12 @@ def routing_user_config(cfg: StackConfig) -> dict[str, Any]:
                 shed_low_priority_at=_shed_at(m),
                 max_ongoing_requests=m.deployment.max_ongoing_requests,
                 versions=tuple(
-                    VersionRoute(version=v.version, weight=v.weight, app=app_name(m.name, v.version))
+                    VersionRoute(
+                        version=v.version,
+                        weight=v.weight,
+                        app=app_name(m.name, v.version),
+                        created=created(m, v) if created else 0,
+                    )
                     for v in m.versions
                 ),
             )
@@ -139,11 +149,12 @@ def _model_application(cfg: StackConfig, m: ModelConfig, v: ModelVersion, base: 
     }
 
 
-def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, Any]:
+def build_serve_config(cfg: StackConfig, base: Path | None = None, read_manifests: bool = False) -> dict[str, Any]:
     """The complete Serve config (the ``serve deploy`` schema) for a stack config.
 
     ``base`` resolves relative checkpoint paths (the config file's folder); on Kubernetes the
-    checkpoint root is absolute or a URI, and ``base`` is None.
+    checkpoint root is absolute or a URI, and ``base`` is None. ``read_manifests``: read each
+    version's creation time from its manifest (a deploy does; rendering offline does not).
     """
     g, sd = cfg.gateway, cfg.shutdown
     gateway = {
@@ -165,7 +176,9 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None) -> dict[str, 
                 ),
                 "max_ongoing_requests": 1000,
                 "ray_actor_options": {"num_cpus": g.num_cpus},
-                "user_config": routing_user_config(cfg),
+                "user_config": routing_user_config(
+                    cfg, (lambda m, v: created_at(cfg.version_path(m, v, base))) if read_manifests else None
+                ),
                 "graceful_shutdown_timeout_s": sd.grace_s,
                 # a restarted gateway replica (new code or settings) starts before the old one
                 # stops: the port always has a listener, even with one replica

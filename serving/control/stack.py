@@ -270,7 +270,7 @@ class LocalDeployer:
         self.state, self.base, self.metrics_port = state, base, metrics_port
 
     def apply(self, cfg: StackConfig) -> None:
-        deploy(self.state, build_serve_config(cfg, self.base))
+        deploy(self.state, build_serve_config(cfg, self.base, read_manifests=True))
 
     def wait_running(self, apps: list[str], timeout_s: float) -> None:
         wait_running(self.state, apps, timeout_s, log=lambda _msg: None)
@@ -286,7 +286,7 @@ def up(cfg: StackConfig, base: Path, env: dict[str, str], timeout_s: float, log:
     ports = (g.port, g.serve_proxy_port, r.gcs_port, r.dashboard_port, r.metrics_export_port)
     state = start_ray(cfg.name, r, env, base_url, ports)
     log(f"ray head up (pid {state.ray_pid}, dashboard {state.dashboard}, loopback only)")
-    serve_config = build_serve_config(cfg, base)
+    serve_config = build_serve_config(cfg, base, read_manifests=True)
     deploy(state, serve_config)
     wait_running(state, [a["name"] for a in serve_config["applications"]], timeout_s, log)
     wait_http(base_url)

@@ -27,7 +27,7 @@ from serving.errors import (
 from serving.gateway.admission.auth import Authenticator, Tenant
 from serving.gateway.admission.quota import QuotaClient
 from serving.gateway.migration import Plan, blocker
-from serving.gateway.protocol import ParsedRequest, StreamTap, usage_of
+from serving.gateway.protocol import Forwardable, ParsedRequest, usage_of
 from serving.gateway.relay import Leaser, Observer, RetryBudget, Upstream, UpstreamResult, forward
 from serving.gateway.replicas import Lease, LeaseProvider
 from serving.gateway.routing import GatewayRoutes, Resolved, RoutingTable
@@ -35,7 +35,9 @@ from serving.gateway.splice import Splice, spliced
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["Exchange", "GatewayCore"]
+__all__ = ["NO_PROMPT", "Exchange", "GatewayCore"]
+
+NO_PROMPT = "\x00"  # the prefix-affinity hint of a request with no leading text
 
 
 class Exchange:
@@ -47,7 +49,7 @@ class Exchange:
 
     def __init__(
         self,
-        parsed: ParsedRequest,
+        parsed: Forwardable,
         resolved: Resolved,
         tenant: Tenant,
         *,
@@ -64,11 +66,7 @@ class Exchange:
         self.started = time.monotonic()
         self.first_at: float | None = None
         self.last_at = self.started
-        self.tap = (
-            StreamTap(strip_usage=not parsed.include_usage, keep_chunk_usage=parsed.continuous_usage)
-            if parsed.stream
-            else None
-        )
+        self.tap = parsed.tap()
         self.usage: dict[str, Any] | None = None
         self._done = False
         self.in_flight[self.model] += 1
@@ -87,7 +85,9 @@ class Exchange:
 
     def failed(self, request_id: str) -> bytes:
         return self.flush() + sse_error_event(
-            UpstreamError("The model replica failed while streaming; the response is incomplete."), request_id
+            UpstreamError("The model replica failed while streaming; the response is incomplete."),
+            request_id,
+            self.parsed.error_shape,
         )
 
     def retried(self) -> None:
@@ -101,8 +101,9 @@ class Exchange:
         self._done = True
         self.in_flight[self.model] -= 1
         self.usage = self.tap.usage if self.tap else (usage_of(body) if body and status == 200 else None)
+        prompt, completion = self.parsed.tokens(self.usage) if self.usage is not None else (0, 0)
         if self.usage is not None:
-            tokens = int(self.usage.get("total_tokens") or 0)
+            tokens = prompt + completion
         else:  # a client that left before any usage came: the engine may have run, bill the reservation
             tokens = self.reserved if status == 499 else 0
         if self.tenant.tpm is not None or self.ticket:
@@ -112,14 +113,15 @@ class Exchange:
             return
         tags = m.tags(self.model, self.version, self.tenant.name)
         m.requests.inc(tags={**tags, "status_class": f"{status // 100}xx"})
+        m.api_requests.inc(tags={"api": self.parsed.kind, **tags, "status_class": f"{status // 100}xx"})
         m.e2e.observe(time.monotonic() - self.started, tags=tags)
         m.in_flight.set(self.in_flight[self.model], tags={"model": self.model, "kind": "all"})
         if self.usage:
-            m.prompt_tokens.inc(int(self.usage.get("prompt_tokens") or 0), tags=tags)
-            m.completion_tokens.inc(int(self.usage.get("completion_tokens") or 0), tags=tags)
+            m.prompt_tokens.inc(prompt, tags=tags)
+            m.completion_tokens.inc(completion, tags=tags)
         if self.tap and self.first_at is not None and status == 200:
             m.ttft.observe(self.first_at - self.started, tags=tags)
-            n = int((self.usage or {}).get("completion_tokens") or 0)
+            n = completion
             if n > 1:
                 m.itl.observe((self.last_at - self.first_at) / (n - 1), tags=tags)
 
@@ -132,8 +134,11 @@ class GatewayCore:
         metrics: Any = None,
         replica_id: str = "",
         set_request_id_header: bool = True,
+        response_store_actor: Any = None,
     ) -> None:
         self.settings = settings
+        # the shared store of Responses (serving.gateway.conversations); made on first use when None
+        self.response_store_actor = response_store_actor
         self.replica_id = replica_id  # named in x-gateway-replica when expose_replica_header is on
         # Ray Serve's proxy already echoes x-request-id on responses; plain ASGI use needs it added
         self.set_request_id_header = set_request_id_header
@@ -176,10 +181,12 @@ class GatewayCore:
             )
         return resolved
 
-    def hint_for(self, resolved: Resolved, parsed: ParsedRequest, session_id: str | None) -> LeaseHint:
+    def hint_for(self, resolved: Resolved, parsed: Forwardable, session_id: str | None) -> LeaseHint:
         router = resolved.model.router
         if router == "prefix_affinity":
-            return LeaseHint(prompt=parsed.prompt_text())
+            # ray.serve.llm's prefix router divides by the prompt's length and fails on None: a
+            # request without leading text (content parts, /detokenize) would never be routed
+            return LeaseHint(prompt=parsed.prompt_text() or NO_PROMPT)
         if router == "session_affinity":
             return LeaseHint(session_id=session_id)
         return LeaseHint()
@@ -193,7 +200,7 @@ class GatewayCore:
 
     async def complete(
         self,
-        parsed: ParsedRequest,
+        parsed: Forwardable,
         resolved: Resolved,
         tenant: Tenant,
         path: str,
@@ -203,10 +210,11 @@ class GatewayCore:
         """Admit (quota, shedding), forward with failover; returns the result and extra headers."""
         if parsed.n > self.settings.max_n:
             raise InvalidRequest(f"'n' must be at most {self.settings.max_n}, got {parsed.n}", param="n")
-        reserve = parsed.reserve_tokens(resolved.model.max_model_len) if tenant.tpm is not None else 0
+        tpm = tenant.tpm if parsed.bills_tokens else None  # tokenize & co. count as requests only
+        reserve = parsed.reserve_tokens(resolved.model.max_model_len) if tpm is not None else 0
         try:
             limit_headers, ticket = await self.quota.admit(
-                tenant.name, tenant.rpm, tenant.tpm, reserve, parsed.stream, tenant.max_streams
+                tenant.name, tenant.rpm, tpm, reserve, parsed.stream, tenant.max_streams
             )
         except RateLimited as exc:
             if self.metrics:
@@ -235,7 +243,12 @@ class GatewayCore:
         async def leaser() -> Lease:
             return await self.leases.lease(app, hint, timeout, limit)
 
-        splice = self._splice(parsed, resolved, exchange, path, request_id, leaser)
+        # chat and completions streams may be continued elsewhere (serving.gateway.migration)
+        splice = (
+            self._splice(parsed, resolved, exchange, path, request_id, leaser)
+            if isinstance(parsed, ParsedRequest)
+            else None
+        )
         try:
             result = await forward(
                 client=self.client,
@@ -248,6 +261,7 @@ class GatewayCore:
                 obs=splice or exchange,
                 budget=self.retry_budget,
                 first_byte_s=self.settings.first_byte_timeout_s,
+                shape=parsed.error_shape,
             )
         except BaseException as exc:  # a client that left cancels the request: 499
             exchange.finish(499 if isinstance(exc, asyncio.CancelledError) else getattr(exc, "status", 500))

@@ -9,13 +9,67 @@ is validated by vLLM itself, whose 4xx answers are normalised by :func:`normaliz
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 
-from serving.errors import InvalidRequest, error_body
+from serving.errors import ErrorShape, InvalidRequest, anthropic_error_body, error_body
 
-__all__ = ["ParsedRequest", "StreamTap", "normalize_upstream_error", "parse_request", "usage_of"]
+__all__ = [
+    "Forwardable",
+    "ParsedRequest",
+    "StreamTap",
+    "Tap",
+    "normalize_upstream_error",
+    "parse_request",
+    "usage_of",
+]
+
+
+class Tap(Protocol):
+    """Event-aligned pass-through of a streamed answer that reads the usage it carries."""
+
+    @property
+    def usage(self) -> dict[str, Any] | None: ...
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def flush(self) -> bytes: ...
+
+
+class Forwardable(Protocol):
+    """What :meth:`serving.gateway.core.GatewayCore.complete` needs of a parsed request, whatever
+    its API (chat and completions here; Responses, Messages and tokenize in
+    :mod:`serving.gateway.agent_protocol`)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def model(self) -> str | None: ...
+
+    @property
+    def stream(self) -> bool: ...
+
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def error_shape(self) -> ErrorShape: ...
+
+    @property
+    def bills_tokens(self) -> bool: ...
+
+    def prompt_text(self, limit: int = 4096) -> str: ...
+
+    def reserve_tokens(self, max_model_len: int) -> int: ...
+
+    def upstream_body(self, name: str) -> bytes: ...
+
+    def tap(self) -> Tap | None: ...
+
+    def tokens(self, usage: dict[str, Any]) -> tuple[int, int]: ...
+
 
 Kind = Literal["chat", "completion"]
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -49,6 +103,23 @@ class ParsedRequest:
     @property
     def n(self) -> int:
         return int(self.body.get("n") or 1)
+
+    @property
+    def error_shape(self) -> ErrorShape:
+        return "openai"
+
+    @property
+    def bills_tokens(self) -> bool:
+        return True
+
+    def tap(self) -> StreamTap | None:
+        if not self.stream:
+            return None
+        return StreamTap(strip_usage=not self.include_usage, keep_chunk_usage=self.continuous_usage)
+
+    def tokens(self, usage: dict[str, Any]) -> tuple[int, int]:
+        """(prompt, completion) tokens of an OpenAI ``usage`` object."""
+        return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
     def reserve_tokens(self, max_model_len: int) -> int:
         """Completion tokens this request may use at most: ``n`` x its token limit (the context
@@ -273,10 +344,11 @@ def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
     )
 
 
-def normalize_upstream_error(status: int, raw: bytes, request_id: str = "") -> bytes:
+def normalize_upstream_error(status: int, raw: bytes, request_id: str = "", shape: ErrorShape = "openai") -> bytes:
     """vLLM's error bodies use ``type: BadRequestError`` and numeric codes; rewrite them to
     OpenAI's shape (``invalid_request_error`` for 4xx, ``server_error`` for 5xx) keeping vLLM's
-    message and param; a 5xx message carries the request id, as the gateway's own 5xx do."""
+    message and param, or to Anthropic's for the Messages routes; a 5xx message carries the
+    request id, as the gateway's own 5xx do."""
     try:
         err = msgspec.json.decode(raw).get("error", {})
         message = str(err.get("message") or "invalid request")
@@ -288,4 +360,6 @@ def normalize_upstream_error(status: int, raw: bytes, request_id: str = "") -> b
         message = f"{message} (request id {request_id})"
     if isinstance(param, str) and param.startswith("body."):
         param = param[5:]
+    if shape == "anthropic":
+        return anthropic_error_body(status, message)
     return error_body(message, type_, param if isinstance(param, str) else None, None)

@@ -38,7 +38,7 @@ from typing import Protocol, TypeVar
 
 import aiohttp
 
-from serving.errors import Unavailable, UpstreamError
+from serving.errors import ErrorShape, Unavailable, UpstreamError
 from serving.gateway.budget import RetryBudget
 from serving.gateway.protocol import normalize_upstream_error
 from serving.gateway.replicas import Lease, ReplicaGone
@@ -260,7 +260,9 @@ class _Cleanup:
             self.obs.finish(status)
 
 
-async def _relay(first: bytes, cleanup: _Cleanup, request_id: str, obs: Observer) -> AsyncIterator[bytes]:
+async def _relay(
+    first: bytes, cleanup: _Cleanup, request_id: str, obs: Observer, shape: ErrorShape = "openai"
+) -> AsyncIterator[bytes]:
     lease, content = cleanup.lease, cleanup.resp.content
     status = 499  # client went away, unless we get to the end
     try:
@@ -303,9 +305,11 @@ async def forward(
     obs: Observer,
     budget: RetryBudget | None = None,
     first_byte_s: float | None = None,
+    shape: ErrorShape = "openai",
 ) -> UpstreamResult:
     """Run one request against the model tier with failover before the first byte (module
-    docstring: what is retried). ``first_byte_s`` bounds each try's wait for its first byte."""
+    docstring: what is retried). ``first_byte_s`` bounds each try's wait for its first byte;
+    ``shape`` is the error format of the route (engine errors are rewritten to it)."""
     last, status, tried = "no attempt", 502, 0
     if budget is not None:
         budget.request()
@@ -335,7 +339,7 @@ async def forward(
                 release_slot()
                 lease.release()
                 if resp.status >= 400:
-                    data = normalize_upstream_error(resp.status, data, request_id)
+                    data = normalize_upstream_error(resp.status, data, request_id, shape)
                 obs.finish(resp.status, data)
                 return UpstreamResult(
                     resp.status, headers, data, replica=lease.replica, route=lease.route, attempts=attempt
@@ -365,7 +369,7 @@ async def forward(
         return UpstreamResult(
             200,
             headers,
-            stream=_relay(first, cleanup, request_id, obs),
+            stream=_relay(first, cleanup, request_id, obs, shape),
             replica=lease.replica,
             route=lease.route,
             attempts=attempt,

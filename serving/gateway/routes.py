@@ -3,16 +3,19 @@
 ``create_api(core)`` returns a plain ASGI app (:class:`GatewayApp`), so tests can drive it
 in-process through ``httpx.ASGITransport``; the Serve deployment (:mod:`serving.gateway.deployment`)
 serves the same app. The two generate routes are raw ASGI endpoints (they carry every token);
-the rest is FastAPI.
+the rest is FastAPI. The routes of the agent APIs (Responses, Messages, tokenize) are added by
+:mod:`serving.gateway.agent_routes` through the same generate endpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -24,21 +27,34 @@ from starlette.types import Receive, Scope, Send
 
 from serving.errors import (
     BodyTooLarge,
+    ErrorShape,
     GatewayError,
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
     to_response,
 )
+from serving.gateway.admission.auth import Tenant
 from serving.gateway.core import GatewayCore
-from serving.gateway.protocol import Kind, parse_request
+from serving.gateway.protocol import Forwardable, parse_request
 from serving.gateway.relay import UpstreamResult
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["GatewayApp", "create_api"]
+__all__ = ["ErrorRenderer", "Flow", "Generate", "GatewayApp", "create_api", "request_id", "tenant_of"]
 
 _JSON = "application/json"
+ErrorRenderer = Callable[[BaseException, str, ErrorShape], Response]
+
+
+class Flow(Protocol):
+    """Work a route does around the forwarded request (the Responses API's conversation state):
+    ``prepare`` may rewrite the request before it is admitted and forwarded; ``finish`` sees the
+    answer (a body, or a stream to wrap) before the client does."""
+
+    async def prepare(self, parsed: Any, tenant: Tenant) -> tuple[Any, Any]: ...
+
+    async def finish(self, result: UpstreamResult, state: Any, tenant: Tenant) -> UpstreamResult: ...
 
 
 def _valid_request_id(rid: str) -> str:
@@ -49,6 +65,14 @@ def _valid_request_id(rid: str) -> str:
 
 def _request_id(request: Request) -> str:
     return _valid_request_id(request.headers.get("x-request-id", ""))
+
+
+request_id = _request_id
+
+
+def tenant_of(core: GatewayCore, request: Request) -> Tenant:
+    """The tenant of a FastAPI route's request (either key header)."""
+    return core.auth.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -150,30 +174,39 @@ async def _unless_client_leaves(
     return None
 
 
-class _Generate:
-    """The two generate routes as one raw ASGI endpoint (the per-request and per-chunk path)."""
+class Generate:
+    """A generate route as one raw ASGI endpoint (the per-request and per-chunk path): chat and
+    completions here, the agent APIs through :mod:`serving.gateway.agent_routes` (``parse`` makes
+    their request, ``flow`` adds their state)."""
 
     def __init__(
         self,
         core: GatewayCore,
-        kind: Kind,
+        kind: str,
         path: str,
         rid_header: bool,
         error: Callable[[BaseException, str], Response],
+        parse: Callable[[bytes], Forwardable] | None = None,
+        flow: Flow | None = None,
     ) -> None:
         self.core, self.kind, self.path, self.rid_header, self._error = core, kind, path, rid_header, error
+        self.parse = parse or functools.partial(parse_request, kind=kind)  # type: ignore[arg-type]
+        self.flow = flow
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         core = self.core
         rid = _valid_request_id(_header(scope, b"x-request-id") or "")
         started = time.monotonic()
         try:
-            tenant = core.auth.authenticate(_header(scope, b"authorization"))
+            tenant = core.auth.authenticate(_header(scope, b"authorization"), _header(scope, b"x-api-key"))
             raw = await _read_body(scope, receive, core.settings.max_body_bytes)
             if raw is None:
                 return  # the client left before sending its request
-            parsed = parse_request(raw, self.kind)
+            parsed = self.parse(raw)
             resolved = core.authorize(tenant, parsed.model)
+            state = None
+            if self.flow is not None:
+                parsed, state = await self.flow.prepare(parsed, tenant)
             done = await _unless_client_leaves(
                 core.complete(parsed, resolved, tenant, self.path, rid, session_id=_header(scope, b"x-session-id")),
                 receive,
@@ -182,6 +215,8 @@ class _Generate:
                 logger.info("[%s] the client left before the answer; the request was cancelled", rid)
                 return
             result, extra = done
+            if self.flow is not None:
+                result = await self.flow.finish(result, state, tenant)
         except GatewayError as exc:
             return await self._error(exc, rid)(scope, receive, send)
         except Exception as exc:  # never a stack trace to the client
@@ -215,11 +250,11 @@ class _Generate:
 
 
 class GatewayApp:
-    """The gateway's ASGI app: POSTs to the generate routes go straight to :class:`_Generate`;
+    """The gateway's ASGI app: POSTs to the generate routes go straight to :class:`Generate`;
     everything else (and lifespan) to the FastAPI app in ``api``, which routes the same two
     endpoints too (so a method other than POST gets its OpenAI-shaped 405)."""
 
-    def __init__(self, api: FastAPI, generate: dict[str, _Generate]) -> None:
+    def __init__(self, api: FastAPI, generate: dict[str, Generate]) -> None:
         self.api, self._generate = api, generate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -236,8 +271,8 @@ def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> 
     app = FastAPI(title="raystack-llm gateway", docs_url=None, redoc_url=None)
     rid_header = core.set_request_id_header if set_request_id_header is None else set_request_id_header
 
-    def _error(exc: BaseException, rid: str) -> Response:
-        resp = to_response(exc, rid)
+    def _error(exc: BaseException, rid: str, shape: ErrorShape = "openai") -> Response:
+        resp = to_response(exc, rid, shape)
         if resp.status >= 500:
             logger.error("[%s] %s: %s", rid, type(exc).__name__, exc)
         headers = {**resp.headers, "x-request-id": rid} if rid_header else dict(resp.headers)
@@ -248,40 +283,30 @@ def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> 
     @app.exception_handler(StarletteHTTPException)
     async def _http_exc(request: Request, exc: StarletteHTTPException) -> Response:
         rid = _request_id(request)
+        shape: ErrorShape = "anthropic" if request.url.path.startswith("/v1/messages") else "openai"
         if exc.status_code == 405:
-            return _error(MethodNotAllowed(f"Method {request.method} is not allowed here."), rid)
+            return _error(MethodNotAllowed(f"Method {request.method} is not allowed here."), rid, shape)
         if exc.status_code == 404:
-            return _error(NotFound(f"Unknown path {request.url.path}."), rid)
-        return _error(InvalidRequest(str(exc.detail)), rid)
+            return _error(NotFound(f"Unknown path {request.url.path}."), rid, shape)
+        return _error(InvalidRequest(str(exc.detail)), rid, shape)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         return _error(InvalidRequest(str(exc.errors()[:1])), _request_id(request))
 
     generate = {
-        "/v1/chat/completions": _Generate(core, "chat", "/v1/chat/completions", rid_header, _error),
-        "/v1/completions": _Generate(core, "completion", "/v1/completions", rid_header, _error),
+        "/v1/chat/completions": Generate(core, "chat", "/v1/chat/completions", rid_header, _error),
+        "/v1/completions": Generate(core, "completion", "/v1/completions", rid_header, _error),
     }
+    from serving.gateway.agent_routes import add_agent_routes
+
+    generate |= add_agent_routes(app, core, rid_header, _error)
     for path, handler in generate.items():
         app.router.routes.append(Route(path, handler, methods=["POST"]))
 
-    def _model_card(model_id: str, root: str, created: int, max_len: int) -> dict[str, object]:
-        return {
-            "id": model_id,
-            "object": "model",
-            "created": created,
-            "owned_by": "raystack",
-            "root": root,
-            "max_model_len": max_len,
-        }
-
     def _visible(request: Request) -> list[tuple[str, dict[str, object]]]:
-        tenant = core.auth.authenticate(request.headers.get("authorization"))
-        return [
-            (i, _model_card(i, m.name, m.created, m.max_model_len))
-            for i, m in core.routes.model_ids()
-            if tenant.allows(m.name)
-        ]
+        tenant = tenant_of(core, request)
+        return [(i, core.routes.model_card(i)) for i, m in core.routes.model_ids() if tenant.allows(m.name)]
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -25,10 +25,14 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+CHAT_CAPABILITIES = ("chat", "completions", "responses", "messages", "tokenize")
+
+
 class VersionRoute(_Wire):
     version: str
     weight: int
     app: str  # Serve application (and deployment) name of this model version
+    created: int = 0  # the version's manifest creation time (Unix seconds; 0: unknown), shown by /v1/models
 
 
 class ModelRoute(_Wire):
@@ -41,10 +45,15 @@ class ModelRoute(_Wire):
     scale_to_zero: bool
     shed_low_priority_at: int  # in-flight requests (this gateway replica) above which low priority is shed
     max_ongoing_requests: int  # per replica; a gateway picking directly leases through Serve beyond it
-    created: int = 0  # shown by /v1/models
+    capabilities: tuple[str, ...] = CHAT_CAPABILITIES  # the APIs it serves, shown by /v1/models
 
     def version(self, version: str) -> VersionRoute | None:
         return next((v for v in self.versions if v.version == version), None)
+
+    @property
+    def live(self) -> VersionRoute:
+        """The version with the largest share of traffic (first on ties)."""
+        return max(self.versions, key=lambda v: v.weight)
 
 
 class GatewayRoutes(_Wire):
@@ -121,6 +130,22 @@ class RoutingTable:
             if point <= 0:
                 return v
         return live[-1]
+
+    def model_card(self, model_id: str) -> dict[str, object]:
+        """The ``/v1/models`` entry of an id from :meth:`model_ids`: ``created`` is the named
+        version's manifest time, for a bare name or alias the live version's."""
+        name, _, version = model_id.partition("@")
+        m = self.lookup(name)
+        v = m.version(version) if version else m.live
+        return {
+            "id": model_id,
+            "object": "model",
+            "created": v.created if v else 0,
+            "owned_by": "raystack",
+            "root": m.name,
+            "max_model_len": m.max_model_len,
+            "capabilities": list(m.capabilities),
+        }
 
     def model_ids(self) -> list[tuple[str, ModelRoute]]:
         """Every id a client may use: names, aliases and ``name@version``."""

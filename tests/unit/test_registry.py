@@ -218,3 +218,11 @@ def test_local_path_refuses_tampered_download(tmp_path: Path) -> None:
     with pytest.raises(TamperedVersion, match="config.json"):
         store.local_path("adder", "v1")
     assert not list((tmp_path / "c").rglob("manifest.json"))
+
+
+def test_created_at_is_the_manifest_time_and_zero_without_one(published: CheckpointStore) -> None:
+    from serving.registry import created_at
+
+    man = published.manifest("adder", "v1")
+    assert created_at(published.uri("adder", "v1")) == int(man.created_at.timestamp()) > 0
+    assert created_at(published.uri("adder", "v99")) == 0

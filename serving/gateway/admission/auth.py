@@ -1,5 +1,8 @@
 """API keys and tenants.
 
+A key comes as ``Authorization: Bearer <key>`` (OpenAI clients) or ``x-api-key: <key>``
+(Anthropic clients); the bearer header wins when both are sent.
+
 Keys are high-entropy random tokens, so they are stored as salted SHA-256 (``sha256$salt$hex``),
 never in plain text; a key may also come from an environment variable (a Kubernetes Secret),
 hashed in memory at start. A verified key is cached by its own SHA-256, not by the key.
@@ -75,12 +78,17 @@ class Authenticator:
                 "Use this for local development only."
             )
 
-    def authenticate(self, authorization: str | None) -> Tenant:
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> Tenant:
         if self.open:
             return ANONYMOUS
-        if not authorization or not authorization.lower().startswith("bearer "):
-            raise AuthenticationError("Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
-        key = authorization[7:].strip()
+        if authorization and authorization.lower().startswith("bearer "):
+            key = authorization[7:].strip()
+        elif api_key and api_key.strip():
+            key = api_key.strip()
+        else:
+            raise AuthenticationError(
+                "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.", code="invalid_api_key"
+            )
         d = _digest(key)
         tenant = self._cache.get(d)
         if tenant is not None:

@@ -1,0 +1,214 @@
+"""Wire checks of the APIs agent clients speak: OpenAI's Responses, Anthropic's Messages (and its
+``count_tokens``), and vLLM's ``/tokenize`` and ``/detokenize``. Imports nothing from ray, vllm
+or torch.
+
+As for chat (:mod:`serving.gateway.protocol`) the gateway parses what it routes and bills on and
+forwards the rest for vLLM to validate. Each request type satisfies
+:class:`serving.gateway.protocol.Forwardable`, so these requests take the chat path through the
+gateway core: auth, the tenant's models, RPM/TPM, shedding, retries and failover, metrics.
+
+Billing (what :meth:`AgentRequest.tokens` counts against TPM):
+
+- Responses: ``input_tokens`` (cached tokens are part of it) + ``output_tokens``.
+- Messages: ``input_tokens`` + ``cache_creation_input_tokens`` + ``cache_read_input_tokens`` +
+  ``output_tokens``: in Anthropic's format ``input_tokens`` leaves cached tokens out, so billing it
+  alone would let prefix caching escape the limit.
+- ``count_tokens``, ``/tokenize``, ``/detokenize``: a request against RPM, no tokens (they run no
+  generation; :attr:`AgentRequest.bills_tokens` is False).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import msgspec
+
+from serving.errors import ErrorShape, InvalidRequest
+
+__all__ = ["AgentKind", "AgentRequest", "EventTap", "parse_agent_request"]
+
+AgentKind = Literal["responses", "messages", "count_tokens", "tokenize", "detokenize"]
+_SHAPES: dict[str, ErrorShape] = {"responses": "responses", "messages": "anthropic", "count_tokens": "anthropic"}
+_LIMIT_FIELD = {"responses": "max_output_tokens", "messages": "max_tokens"}
+_GENERATES = frozenset({"responses", "messages"})
+# the events whose usage is cumulative and final for the whole answer
+_USAGE_EVENTS = {
+    "responses": (b"response.completed", b"response.incomplete", b"response.failed"),
+    "messages": (b"message_start", b"message_delta"),
+}
+
+
+def _type_name(v: object) -> str:
+    return {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object"}.get(
+        type(v), type(v).__name__
+    )
+
+
+class EventTap:
+    """Pass-through of a named-event SSE stream (``event: X\\ndata: {...}\\n\\n``, the format of
+    Responses and Messages streams), released at event boundaries, that keeps the usage of the
+    events that carry it (:data:`_USAGE_EVENTS`) and, for Responses, the final response object.
+    Messages streams report input tokens in ``message_start`` and the totals in ``message_delta``;
+    the latest value of each field wins."""
+
+    __slots__ = ("_buf", "_names", "kind", "response", "usage")
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self._buf = kind, b""
+        self._names = _USAGE_EVENTS.get(kind, ())
+        self.usage: dict[str, Any] | None = None
+        self.response: dict[str, Any] | None = None  # the Responses stream's final response object
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._buf + chunk if self._buf else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._buf = data
+            return b""
+        out, self._buf = data[: cut + 2], data[cut + 2 :]
+        if b'"usage"' in out:
+            for ev in out.split(b"\n\n"):
+                self._read(ev)
+        return out
+
+    def flush(self) -> bytes:
+        out, self._buf = self._buf, b""
+        return out
+
+    def _read(self, ev: bytes) -> None:
+        head, _, data = ev.partition(b"\ndata: ")
+        name = head.removeprefix(b"event: ").strip()
+        if name not in self._names or not data:
+            return
+        try:
+            payload = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            return
+        holder = payload.get("response") or payload.get("message") or payload
+        usage = holder.get("usage") if isinstance(holder, dict) else None
+        if not isinstance(usage, dict):
+            usage = payload.get("usage")
+        if isinstance(usage, dict):
+            self.usage = {**(self.usage or {}), **{k: v for k, v in usage.items() if v is not None}}
+        if self.kind == "responses" and isinstance(payload.get("response"), dict):
+            self.response = payload["response"]
+
+
+@dataclass(frozen=True)
+class AgentRequest:
+    """A parsed Responses, Messages, count_tokens, tokenize or detokenize request."""
+
+    kind: AgentKind
+    body: dict[str, Any]
+    raw: bytes
+    model: str | None
+    stream: bool
+    changed: bool = False  # the body was rewritten (a Responses follow-up expanded): re-encode it
+
+    @property
+    def n(self) -> int:
+        return 1
+
+    @property
+    def error_shape(self) -> ErrorShape:
+        return _SHAPES.get(self.kind, "openai")
+
+    @property
+    def bills_tokens(self) -> bool:
+        return self.kind in _GENERATES
+
+    def prompt_text(self, limit: int = 4096) -> str:
+        """Leading prompt text, only for prefix-affinity routing (never logged)."""
+        parts: list[str] = []
+        for key in ("instructions", "system", "prompt", "input"):
+            v = self.body.get(key)
+            if isinstance(v, str):
+                parts.append(v)
+        items = self.body.get("messages") if "messages" in self.body else self.body.get("input")
+        for m in items if isinstance(items, list) else []:
+            c = m.get("content") if isinstance(m, dict) else None
+            parts.append(c if isinstance(c, str) else "")
+            if sum(map(len, parts)) >= limit:
+                break
+        return "".join(parts)[:limit]
+
+    def reserve_tokens(self, max_model_len: int) -> int:
+        field = _LIMIT_FIELD.get(self.kind)
+        if field is None:
+            return 0
+        return int(self.body.get(field) or max_model_len)
+
+    def with_body(self, body: dict[str, Any]) -> AgentRequest:
+        return replace(self, body=body, changed=True)
+
+    def upstream_body(self, name: str) -> bytes:
+        if self.body.get("model") == name and not self.changed:
+            return self.raw
+        return msgspec.json.encode({**self.body, "model": name})
+
+    def tap(self) -> EventTap | None:
+        return EventTap(self.kind) if self.stream else None
+
+    def tokens(self, usage: dict[str, Any]) -> tuple[int, int]:
+        """(input, output) tokens to bill (module docstring)."""
+        if not self.bills_tokens:
+            return 0, 0
+        prompt = int(usage.get("input_tokens") or 0)
+        if self.kind == "messages":
+            prompt += int(usage.get("cache_creation_input_tokens") or 0)
+            prompt += int(usage.get("cache_read_input_tokens") or 0)
+        return prompt, int(usage.get("output_tokens") or 0)
+
+
+def _require(body: dict[str, Any], key: str, types: tuple[type, ...], what: str) -> None:
+    v = body.get(key)
+    if v is None:
+        raise InvalidRequest(f"'{key}' is a required property", param=key)
+    if isinstance(v, bool) or not isinstance(v, types) or (isinstance(v, (str, list)) and not v):
+        raise InvalidRequest(f"'{key}' must be {what}, not {_type_name(v)}", param=key)
+
+
+def _check(kind: AgentKind, body: dict[str, Any]) -> None:
+    for key in ("max_output_tokens", "max_tokens"):
+        v = body.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise InvalidRequest(f"'{key}' must be a positive integer", param=key)
+    v = body.get("stream")
+    if v is not None and not isinstance(v, bool):
+        raise InvalidRequest(f"'stream' must be a boolean, not {_type_name(v)}", param="stream")
+    if kind == "responses":
+        _require(body, "input", (str, list), "a non-empty string or array of items")
+        if body.get("background"):
+            raise InvalidRequest("'background' responses are not supported by this gateway.", param="background")
+        prev = body.get("previous_response_id")
+        if prev is not None and not isinstance(prev, str):
+            raise InvalidRequest("'previous_response_id' must be a string", param="previous_response_id")
+    elif kind in ("messages", "count_tokens"):
+        _require(body, "messages", (list,), "a non-empty array of messages")
+        if kind == "messages":
+            _require(body, "max_tokens", (int,), "a positive integer")
+    elif kind == "tokenize":
+        if body.get("prompt") is None and body.get("messages") is None:
+            raise InvalidRequest("'prompt' or 'messages' is required", param="prompt")
+    else:
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise InvalidRequest("'tokens' must be an array of integers", param="tokens")
+
+
+def parse_agent_request(raw: bytes, kind: AgentKind) -> AgentRequest:
+    """Parse and check a request body of one of these APIs; raise :class:`InvalidRequest`."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest("The request body is nested too deeply.") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest(f"'model' must be a string, not {_type_name(model)}", param="model")
+    _check(kind, body)
+    return AgentRequest(kind=kind, body=body, raw=raw, model=model, stream=bool(body.get("stream", False)))
