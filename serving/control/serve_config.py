@@ -55,6 +55,7 @@ def routing_user_config(cfg: StackConfig) -> dict[str, Any]:
                 scale_to_zero=bool(m.deployment.autoscaling and m.deployment.autoscaling.min_replicas == 0),
                 shed_low_priority_at=_shed_at(m),
                 max_ongoing_requests=m.deployment.max_ongoing_requests,
+                runner=m.engine.runner,
                 versions=tuple(
                     VersionRoute(version=v.version, weight=v.weight, app=app_name(m.name, v.version))
                     for v in m.versions

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from serving.config import AuthConfig, RouterName
+from serving.config import AuthConfig, RouterName, RunnerName
 from serving.errors import NotFound
 
 __all__ = ["GatewayRoutes", "ModelRoute", "Resolved", "RoutingTable", "VersionRoute"]
@@ -41,6 +41,7 @@ class ModelRoute(_Wire):
     scale_to_zero: bool
     shed_low_priority_at: int  # in-flight requests (this gateway replica) above which low priority is shed
     max_ongoing_requests: int  # per replica; a gateway picking directly leases through Serve beyond it
+    runner: RunnerName  # pooling: embeddings only; generate: everything but embeddings
     created: int = 0  # shown by /v1/models
 
     def version(self, version: str) -> VersionRoute | None:

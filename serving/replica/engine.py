@@ -115,6 +115,7 @@ def engine_args(spec: EngineSpec) -> dict[str, str | int | float | bool]:
     ``engine_kwargs`` in the benchmark. ``extra_args`` come last and win."""
     e = spec.engine
     args: dict[str, str | int | float | bool] = {
+        "runner": e.runner,
         "max_model_len": e.max_model_len,
         "dtype": e.dtype,
         "max_num_seqs": e.max_num_seqs,
