@@ -159,6 +159,20 @@ class GatewayCore:
             )
         return resolved
 
+    @staticmethod
+    def check_runner(parsed: ParsedRequest, resolved: Resolved, path: str) -> None:
+        """A pooling model answers embeddings only, a generating model everything else: a
+        request of the other kind is refused here (400), from the config, before any quota or
+        engine is touched."""
+        model = resolved.model
+        if (model.runner == "pooling") == (parsed.kind == "embedding"):
+            return
+        if parsed.kind == "embedding":
+            message = f"The model '{model.name}' does not support embeddings: it is not an embedding model."
+        else:
+            message = f"The model '{model.name}' is an embedding model: it answers /v1/embeddings only, not {path}."
+        raise InvalidRequest(message, param="model", code="model_not_supported")
+
     def hint_for(self, resolved: Resolved, parsed: ParsedRequest, session_id: str | None) -> LeaseHint:
         router = resolved.model.router
         if router == "prefix_affinity":
@@ -184,6 +198,7 @@ class GatewayCore:
         session_id: str | None = None,
     ) -> tuple[UpstreamResult, dict[str, str]]:
         """Admit (quota, shedding), forward with failover; returns the result and extra headers."""
+        self.check_runner(parsed, resolved, path)
         if parsed.n > self.settings.max_n:
             raise InvalidRequest(f"'n' must be at most {self.settings.max_n}, got {parsed.n}", param="n")
         reserve = parsed.reserve_tokens(resolved.model.max_model_len) if tenant.tpm is not None else 0

@@ -2,8 +2,8 @@
 
 ``create_api(core)`` returns a plain ASGI app (:class:`GatewayApp`), so tests can drive it
 in-process through ``httpx.ASGITransport``; the Serve deployment (:mod:`serving.gateway.deployment`)
-serves the same app. The two generate routes are raw ASGI endpoints (they carry every token);
-the rest is FastAPI.
+serves the same app. The forwarding routes (chat, completions, embeddings) are raw ASGI endpoints
+(they carry every token); the rest is FastAPI.
 """
 
 from __future__ import annotations
@@ -151,7 +151,8 @@ async def _unless_client_leaves(
 
 
 class _Generate:
-    """The two generate routes as one raw ASGI endpoint (the per-request and per-chunk path)."""
+    """The forwarding routes (chat, completions, embeddings) as one raw ASGI endpoint each (the
+    per-request and per-chunk path)."""
 
     def __init__(
         self,
@@ -215,8 +216,8 @@ class _Generate:
 
 
 class GatewayApp:
-    """The gateway's ASGI app: POSTs to the generate routes go straight to :class:`_Generate`;
-    everything else (and lifespan) to the FastAPI app in ``api``, which routes the same two
+    """The gateway's ASGI app: POSTs to the forwarding routes go straight to :class:`_Generate`;
+    everything else (and lifespan) to the FastAPI app in ``api``, which routes the same
     endpoints too (so a method other than POST gets its OpenAI-shaped 405)."""
 
     def __init__(self, api: FastAPI, generate: dict[str, _Generate]) -> None:
@@ -261,6 +262,7 @@ def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> 
     generate = {
         "/v1/chat/completions": _Generate(core, "chat", "/v1/chat/completions", rid_header, _error),
         "/v1/completions": _Generate(core, "completion", "/v1/completions", rid_header, _error),
+        "/v1/embeddings": _Generate(core, "embedding", "/v1/embeddings", rid_header, _error),
     }
     for path, handler in generate.items():
         app.router.routes.append(Route(path, handler, methods=["POST"]))
