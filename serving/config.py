@@ -81,7 +81,11 @@ class EngineConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="Sequences batched at once per replica.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Ranks per replica that split each layer.")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Pipeline stages per replica.")
-    enable_prefix_caching: bool = Field(True, description="Reuse KV cache of shared prompt prefixes.")
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse KV cache of shared prompt prefixes (runner generate; a pooling model gets vLLM's "
+        "own choice, off for bidirectional attention).",
+    )
     seed: int = Field(0, description="Engine seed (requests may set their own `seed`).")
     kv_cache_space_gib: int = Field(1, ge=1, description="CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU only.")

@@ -122,8 +122,9 @@ def engine_args(spec: EngineSpec) -> dict[str, str | int | float | bool]:
         "tensor_parallel_size": e.tensor_parallel_size,
         "pipeline_parallel_size": e.pipeline_parallel_size,
         "seed": e.seed,
-        "enable_prefix_caching": e.enable_prefix_caching,
     }
+    if e.runner == "generate":  # a pooling model gets vLLM's choice: off where its attention forbids it
+        args["enable_prefix_caching"] = e.enable_prefix_caching
     if spec.use_gpu:
         args["gpu_memory_utilization"] = e.gpu_memory_utilization
     args.update({key.replace("-", "_"): value for key, value in e.extra_args.items()})

@@ -39,8 +39,10 @@ def test_runner_defaults_to_generate_and_reaches_the_command_line() -> None:
     cmd = vllm_command(spec, "127.0.0.1", 9000)
     assert cmd[cmd.index("--runner") + 1] == "pooling"
     assert engine_args(spec)["runner"] == "pooling"
+    # vLLM warns that forcing prefix caching on a bidirectional pooling model may give wrong outputs
+    assert "enable_prefix_caching" not in engine_args(spec) and "--enable-prefix-caching" not in cmd
     plain = vllm_command(EngineSpec(model="c", version="v1", path="/p", engine=EngineConfig()), "127.0.0.1", 9000)
-    assert plain[plain.index("--runner") + 1] == "generate"
+    assert plain[plain.index("--runner") + 1] == "generate" and "--enable-prefix-caching" in plain
 
 
 def test_vllm_parses_the_pooling_command() -> None:
