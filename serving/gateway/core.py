@@ -98,8 +98,10 @@ class Exchange:
         m.e2e.observe(time.monotonic() - self.started, tags=tags)
         m.in_flight.set(self.in_flight[self.model], tags={"model": self.model, "kind": "all"})
         if self.usage:
-            m.prompt_tokens.inc(int(self.usage.get("prompt_tokens") or 0), tags=tags)
-            m.completion_tokens.inc(int(self.usage.get("completion_tokens") or 0), tags=tags)
+            for counter, key in ((m.prompt_tokens, "prompt_tokens"), (m.completion_tokens, "completion_tokens")):
+                n = int(self.usage.get(key) or 0)
+                if n > 0:  # Ray's Counter.inc refuses 0 (an embedding's completion tokens)
+                    counter.inc(n, tags=tags)
         if self.tap and self.first_at is not None and status == 200:
             m.ttft.observe(self.first_at - self.started, tags=tags)
             n = int((self.usage or {}).get("completion_tokens") or 0)

@@ -19,6 +19,7 @@ from serving.errors import InvalidRequest
 from serving.gateway.core import GatewayCore
 from serving.gateway.protocol import parse_request
 from serving.gateway.routes import create_api
+from serving.metrics import GatewayMetrics
 from serving.replica.engine import EngineSpec, engine_args, vllm_command
 from tests.support.loopback import http_replica
 
@@ -105,7 +106,7 @@ def test_invalid_embedding_bodies(body: object, param: str) -> None:
 
 @contextlib.asynccontextmanager
 async def _gateway(url: str) -> AsyncIterator[httpx.AsyncClient]:
-    core = GatewayCore(GatewayConfig(), OneReplica(url))
+    core = GatewayCore(GatewayConfig(), OneReplica(url), metrics=GatewayMetrics())  # Ray's own counters
     core.reconfigure(routing_user_config(parse_config(_stack())))
     transport = httpx.ASGITransport(app=create_api(core, set_request_id_header=True))
     try:
