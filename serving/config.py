@@ -63,9 +63,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
+RunnerName = Literal["generate", "pooling"]
+
+
 class EngineConfig(_Strict):
     """vLLM engine arguments for one model. Known fields are typed; the rest go in ``extra_args``."""
 
+    runner: RunnerName = Field(
+        "generate",
+        description="vLLM's --runner. generate: chat and completions; pooling: an embedding model, "
+        "/v1/embeddings only. The gateway answers a request of the other kind with 400 itself.",
+    )
     max_model_len: int = Field(256, ge=8, description="Context length (prompt + completion tokens).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and activations dtype."
@@ -73,7 +81,11 @@ class EngineConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="Sequences batched at once per replica.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Ranks per replica that split each layer.")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Pipeline stages per replica.")
-    enable_prefix_caching: bool = Field(True, description="Reuse KV cache of shared prompt prefixes.")
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse KV cache of shared prompt prefixes (runner generate; a pooling model gets vLLM's "
+        "own choice, off for bidirectional attention).",
+    )
     seed: int = Field(0, description="Engine seed (requests may set their own `seed`).")
     kv_cache_space_gib: int = Field(1, ge=1, description="CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU only.")
@@ -90,6 +102,16 @@ class EngineConfig(_Strict):
         default_factory=dict,
         description="Further vLLM CLI flags, e.g. {enforce-eager: true}; booleans become bare flags.",
     )
+
+    @model_validator(mode="after")
+    def _runner(self) -> EngineConfig:
+        # the gateway decides what a model may answer from ``runner``: no second spelling of it
+        for key in self.extra_args:
+            if key.replace("_", "-") in ("runner", "convert", "task"):
+                raise ValueError(f"extra_args must not set {key!r}; use the runner field")
+        if self.runner == "pooling" and self.tool_call_parser:
+            raise ValueError("tool_call_parser needs runner generate (a pooling model makes no tool calls)")
+        return self
 
 
 class AutoscalingConfig(_Strict):

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from serving.config import ModelVersion, StackConfig
+from serving.config import ModelConfig, ModelVersion, StackConfig
 from serving.control.serve_config import app_name
 from serving.metrics import samples
 from serving.registry import CheckpointStore, Manifest, RegistryError
@@ -190,10 +190,15 @@ class Deployer(Protocol):
     def metrics_text(self) -> str: ...
 
 
-def _warm(base_url: str, model: str, version: str, n: int, headers: dict[str, str]) -> None:
-    body = {"model": f"{model}@{version}", "prompt": "1+1=", "max_tokens": 2}
+def _warm(base_url: str, m: ModelConfig, version: str, n: int, headers: dict[str, str]) -> None:
+    model = m.name
+    body: dict[str, object]
+    if m.engine.runner == "pooling":
+        path, body = "/v1/embeddings", {"model": f"{model}@{version}", "input": "1+1="}
+    else:
+        path, body = "/v1/completions", {"model": f"{model}@{version}", "prompt": "1+1=", "max_tokens": 2}
     for _ in range(n):
-        r = httpx.post(f"{base_url}/v1/completions", json=body, headers=headers, timeout=120)
+        r = httpx.post(f"{base_url}{path}", json=body, headers=headers, timeout=120)
         if r.status_code != 200:
             raise RuntimeError(f"warm-up request to {model}@{version} answered {r.status_code}: {r.text[:300]}")
 
@@ -236,7 +241,7 @@ def promote(
     try:
         deployer.apply(current)
         deployer.wait_running([app_name(model, version)], policy.deploy_timeout_s)
-        _warm(base_url, model, version, policy.warmup_requests, headers or {})
+        _warm(base_url, m, version, policy.warmup_requests, headers or {})
         note(f"{model}@{version} deployed beside {live} and warm")
         for weight in policy.steps:
             current = _with_versions(cfg, model, [(live, 100 - weight), (version, weight)])

@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from serving.config import AutoscalingConfig, ModelConfig, ModelVersion, StackConfig
-from serving.gateway.routing import GatewayRoutes, ModelRoute, VersionRoute
+from serving.gateway.routing import (
+    CHAT_CAPABILITIES,
+    EMBEDDING_CAPABILITIES,
+    GatewayRoutes,
+    ModelRoute,
+    VersionRoute,
+)
 from serving.registry import created_at
 from serving.replica.engine import EngineSpec
 from serving.replica.routers import ROUTER_CLASSES
@@ -60,6 +66,8 @@ def routing_user_config(
                 scale_to_zero=bool(m.deployment.autoscaling and m.deployment.autoscaling.min_replicas == 0),
                 shed_low_priority_at=_shed_at(m),
                 max_ongoing_requests=m.deployment.max_ongoing_requests,
+                runner=m.engine.runner,
+                capabilities=EMBEDDING_CAPABILITIES if m.engine.runner == "pooling" else CHAT_CAPABILITIES,
                 versions=tuple(
                     VersionRoute(
                         version=v.version,

@@ -37,6 +37,8 @@ logger = logging.getLogger("serving.gateway")
 
 __all__ = ["NO_PROMPT", "Exchange", "GatewayCore"]
 
+# tokenize and detokenize need only a model's tokenizer, which a pooling model has too
+TOKENIZER_KINDS = frozenset({"tokenize", "detokenize"})
 NO_PROMPT = "\x00"  # the prefix-affinity hint of a request with no leading text
 
 
@@ -117,8 +119,11 @@ class Exchange:
         m.e2e.observe(time.monotonic() - self.started, tags=tags)
         m.in_flight.set(self.in_flight[self.model], tags={"model": self.model, "kind": "all"})
         if self.usage:
-            m.prompt_tokens.inc(prompt, tags=tags)
-            m.completion_tokens.inc(completion, tags=tags)
+            # Ray's Counter.inc refuses 0 (an embedding has no completion tokens)
+            if prompt > 0:
+                m.prompt_tokens.inc(prompt, tags=tags)
+            if completion > 0:
+                m.completion_tokens.inc(completion, tags=tags)
         if self.tap and self.first_at is not None and status == 200:
             m.ttft.observe(self.first_at - self.started, tags=tags)
             n = completion
@@ -181,6 +186,20 @@ class GatewayCore:
             )
         return resolved
 
+    @staticmethod
+    def check_runner(parsed: Forwardable, resolved: Resolved, path: str) -> None:
+        """A pooling model answers embeddings only, a generating model everything else: a
+        request of the other kind is refused here (400), from the config, before any quota or
+        engine is touched."""
+        model = resolved.model
+        if parsed.kind in TOKENIZER_KINDS or (model.runner == "pooling") == (parsed.kind == "embedding"):
+            return
+        if parsed.kind == "embedding":
+            message = f"The model '{model.name}' does not support embeddings: it is not an embedding model."
+        else:
+            message = f"The model '{model.name}' is an embedding model: it answers /v1/embeddings only, not {path}."
+        raise InvalidRequest(message, param="model", code="model_not_supported")
+
     def hint_for(self, resolved: Resolved, parsed: Forwardable, session_id: str | None) -> LeaseHint:
         router = resolved.model.router
         if router == "prefix_affinity":
@@ -208,6 +227,7 @@ class GatewayCore:
         session_id: str | None = None,
     ) -> tuple[UpstreamResult, dict[str, str]]:
         """Admit (quota, shedding), forward with failover; returns the result and extra headers."""
+        self.check_runner(parsed, resolved, path)
         if parsed.n > self.settings.max_n:
             raise InvalidRequest(f"'n' must be at most {self.settings.max_n}, got {parsed.n}", param="n")
         tpm = tenant.tpm if parsed.bills_tokens else None  # tokenize & co. count as requests only

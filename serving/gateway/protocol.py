@@ -71,7 +71,7 @@ class Forwardable(Protocol):
     def tokens(self, usage: dict[str, Any]) -> tuple[int, int]: ...
 
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "embedding"]
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "seed", "top_logprobs")
 _NUM_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
@@ -89,8 +89,9 @@ class ParsedRequest:
 
     def prompt_text(self, limit: int = 4096) -> str:
         """Leading prompt text, only for prefix-affinity routing (never logged)."""
-        if self.kind == "completion":
-            p = self.body.get("prompt")
+        if self.kind != "chat":
+            p = self.body.get("prompt" if self.kind == "completion" else "input")
+            p = p[0] if isinstance(p, list) and p else p
             return p[:limit] if isinstance(p, str) else ""
         parts: list[str] = []
         for m in self.body.get("messages", []):
@@ -123,7 +124,10 @@ class ParsedRequest:
 
     def reserve_tokens(self, max_model_len: int) -> int:
         """Completion tokens this request may use at most: ``n`` x its token limit (the context
-        length when it sets none); what admission reserves against a tenant's TPM."""
+        length when it sets none); what admission reserves against a tenant's TPM. Embeddings
+        generate none: like a prompt's, their input tokens are billed when the answer says them."""
+        if self.kind == "embedding":
+            return 0
         limit = self.body.get("max_completion_tokens") or self.body.get("max_tokens") or max_model_len
         return self.n * int(limit)
 
@@ -313,8 +317,32 @@ def _check_prompt(prompt: object) -> None:
         raise InvalidRequest("'prompt' must be a non-empty string or array", param="prompt")
 
 
+def _check_input(body: dict[str, Any]) -> None:
+    """An embeddings ``input``: a string, or a non-empty array of strings, of token ids, or of
+    arrays of token ids (OpenAI's four forms); embeddings are never streamed."""
+    inp = body.get("input")
+    if inp is None:
+        raise InvalidRequest("'input' is a required property", param="input")
+
+    def ids(v: object) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    ok = (isinstance(inp, str) and inp != "") or (
+        isinstance(inp, list)
+        and bool(inp)
+        and (all(isinstance(p, str) and p for p in inp) or ids(inp) or all(ids(p) for p in inp))
+    )
+    if not ok:
+        raise InvalidRequest(
+            "'input' must be a non-empty string, or a non-empty array of strings, of token ids or of token id arrays",
+            param="input",
+        )
+    if body.get("stream"):
+        raise InvalidRequest("'stream' is not supported for embeddings", param="stream")
+
+
 def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
-    """Parse and check a chat or completion request body; raise :class:`InvalidRequest`."""
+    """Parse and check a chat, completion or embeddings request body; raise :class:`InvalidRequest`."""
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
@@ -329,8 +357,10 @@ def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
     _check_types(body)
     if kind == "chat":
         _check_messages(body.get("messages"))
-    else:
+    elif kind == "completion":
         _check_prompt(body.get("prompt"))
+    else:
+        _check_input(body)
     so = body.get("stream_options") or {}
     include_usage = bool(so.get("include_usage", False))
     return ParsedRequest(

@@ -2,9 +2,9 @@
 
 ``create_api(core)`` returns a plain ASGI app (:class:`GatewayApp`), so tests can drive it
 in-process through ``httpx.ASGITransport``; the Serve deployment (:mod:`serving.gateway.deployment`)
-serves the same app. The two generate routes are raw ASGI endpoints (they carry every token);
-the rest is FastAPI. The routes of the agent APIs (Responses, Messages, tokenize) are added by
-:mod:`serving.gateway.agent_routes` through the same generate endpoint.
+serves the same app. The forwarding routes (chat, completions, embeddings) are raw ASGI endpoints
+(they carry every token); the rest is FastAPI. The routes of the agent APIs (Responses, Messages,
+tokenize) are added by :mod:`serving.gateway.agent_routes` through the same generate endpoint.
 """
 
 from __future__ import annotations
@@ -175,9 +175,9 @@ async def _unless_client_leaves(
 
 
 class Generate:
-    """A generate route as one raw ASGI endpoint (the per-request and per-chunk path): chat and
-    completions here, the agent APIs through :mod:`serving.gateway.agent_routes` (``parse`` makes
-    their request, ``flow`` adds their state)."""
+    """A forwarding route as one raw ASGI endpoint (the per-request and per-chunk path): chat,
+    completions and embeddings here, the agent APIs through :mod:`serving.gateway.agent_routes`
+    (``parse`` makes their request, ``flow`` adds their state)."""
 
     def __init__(
         self,
@@ -250,8 +250,8 @@ class Generate:
 
 
 class GatewayApp:
-    """The gateway's ASGI app: POSTs to the generate routes go straight to :class:`Generate`;
-    everything else (and lifespan) to the FastAPI app in ``api``, which routes the same two
+    """The gateway's ASGI app: POSTs to the forwarding routes go straight to :class:`Generate`;
+    everything else (and lifespan) to the FastAPI app in ``api``, which routes the same
     endpoints too (so a method other than POST gets its OpenAI-shaped 405)."""
 
     def __init__(self, api: FastAPI, generate: dict[str, Generate]) -> None:
@@ -297,6 +297,7 @@ def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> 
     generate = {
         "/v1/chat/completions": Generate(core, "chat", "/v1/chat/completions", rid_header, _error),
         "/v1/completions": Generate(core, "completion", "/v1/completions", rid_header, _error),
+        "/v1/embeddings": Generate(core, "embedding", "/v1/embeddings", rid_header, _error),
     }
     from serving.gateway.agent_routes import add_agent_routes
 

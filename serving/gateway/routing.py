@@ -15,10 +15,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from serving.config import AuthConfig, RouterName
+from serving.config import AuthConfig, RouterName, RunnerName
 from serving.errors import NotFound
 
-__all__ = ["GatewayRoutes", "ModelRoute", "Resolved", "RoutingTable", "VersionRoute"]
+__all__ = [
+    "CHAT_CAPABILITIES",
+    "EMBEDDING_CAPABILITIES",
+    "GatewayRoutes",
+    "ModelRoute",
+    "Resolved",
+    "RoutingTable",
+    "VersionRoute",
+]
 
 
 class _Wire(BaseModel):
@@ -26,6 +34,7 @@ class _Wire(BaseModel):
 
 
 CHAT_CAPABILITIES = ("chat", "completions", "responses", "messages", "tokenize")
+EMBEDDING_CAPABILITIES = ("embeddings", "tokenize")  # a pooling model (engine.runner: pooling)
 
 
 class VersionRoute(_Wire):
@@ -45,6 +54,7 @@ class ModelRoute(_Wire):
     scale_to_zero: bool
     shed_low_priority_at: int  # in-flight requests (this gateway replica) above which low priority is shed
     max_ongoing_requests: int  # per replica; a gateway picking directly leases through Serve beyond it
+    runner: RunnerName  # pooling: embeddings only; generate: everything but embeddings
     capabilities: tuple[str, ...] = CHAT_CAPABILITIES  # the APIs it serves, shown by /v1/models
 
     def version(self, version: str) -> VersionRoute | None:

@@ -122,14 +122,16 @@ def engine_args(spec: EngineSpec) -> dict[str, str | int | float | bool]:
     ``engine_kwargs`` in the benchmark. ``extra_args`` come last and win."""
     e = spec.engine
     args: dict[str, str | int | float | bool] = {
+        "runner": e.runner,
         "max_model_len": e.max_model_len,
         "dtype": e.dtype,
         "max_num_seqs": e.max_num_seqs,
         "tensor_parallel_size": e.tensor_parallel_size,
         "pipeline_parallel_size": e.pipeline_parallel_size,
         "seed": e.seed,
-        "enable_prefix_caching": e.enable_prefix_caching,
     }
+    if e.runner == "generate":  # a pooling model gets vLLM's choice: off where its attention forbids it
+        args["enable_prefix_caching"] = e.enable_prefix_caching
     if spec.use_gpu:
         args["gpu_memory_utilization"] = e.gpu_memory_utilization
     args.update({key.replace("-", "_"): value for key, value in e.extra_args.items()})

@@ -244,11 +244,16 @@ class ModelServer:
             await asyncio.sleep(1)
 
     async def _probe_engine(self) -> None:
-        """One token from the engine; no answer within ``stall_timeout_s`` while the server
-        still answers /health means the engine is hung (:mod:`serving.replica.liveness`)."""
-        body = {"model": self.spec.model, "prompt": [0], "max_tokens": 1}
+        """One token from the engine (one embedding from a pooling one); no answer within
+        ``stall_timeout_s`` while the server still answers /health means the engine is hung
+        (:mod:`serving.replica.liveness`)."""
+        body: dict[str, object]
+        if self.spec.engine.runner == "pooling":
+            path, body = "/v1/embeddings", {"model": self.spec.model, "input": [0]}
+        else:
+            path, body = "/v1/completions", {"model": self.spec.model, "prompt": [0], "max_tokens": 1}
         try:
-            await self._client.post(f"{self.endpoint.url}/v1/completions", json=body, timeout=self.spec.stall_timeout_s)
+            await self._client.post(f"{self.endpoint.url}{path}", json=body, timeout=self.spec.stall_timeout_s)
         except httpx.TimeoutException:
             try:
                 healthy = (await self._client.get(f"{self.endpoint.url}/health", timeout=2.0)).status_code == 200

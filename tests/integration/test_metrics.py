@@ -163,3 +163,23 @@ def test_engine_gauges_are_exported(stack: Stack, prometheus: Callable[[str], fl
             _until(lambda e=expr: prometheus(e) is not None, 60, f"{name} for {model}")
     usage = prometheus('max(ray_raystack_engine_kv_cache_usage_ratio{model="adder"})')
     assert usage is not None and 0 <= usage <= 1
+
+
+def test_embeddings_count_as_requests_and_prompt_tokens_of_their_model(
+    stack: Stack, prometheus: Callable[[str], float | None]
+) -> None:
+    sel = 'tenant="main",model="minilm"'
+    exprs = [
+        f'sum({{__name__=~"ray_raystack_requests(_total)?",{sel},status_class="2xx"}})',
+        f'sum({{__name__=~"ray_raystack_prompt_tokens(_total)?",{sel}}})',
+        f"sum(ray_raystack_request_latency_seconds_count{{{sel}}})",
+    ]
+    before = _settled(prometheus, exprs)
+    tokens = 0
+    with httpx.Client(base_url=stack.url, headers=stack.headers(), timeout=60) as c:
+        for text in ("a cat sits", "a kitten rests", "stock market crash"):
+            r = c.post("/v1/embeddings", json={"model": "minilm", "input": text})
+            assert r.status_code == 200, r.text
+            tokens += r.json()["usage"]["prompt_tokens"]
+    want = [before[0] + 3, before[1] + tokens, before[2] + 3]
+    _until(lambda: [prometheus(e) or 0.0 for e in exprs] == want, 90, f"{want} (before: {before})")
