@@ -55,6 +55,30 @@ class Turn:
     store: bool
 
 
+# events whose data carries the whole response object
+_LIFECYCLE = (b"event: response.created\n", b"event: response.in_progress\n", *(f + b"\n" for f in _FINAL))
+
+
+def restate(chunk: bytes, previous_id: str | None, store: bool) -> bytes:
+    """``chunk`` (whole events) with the client's ``previous_response_id`` and ``store`` in every
+    response object it carries: the engine was sent the expanded input with ``store: false``."""
+    if b"event: response." not in chunk:
+        return chunk
+    events = chunk.split(b"\n\n")
+    for i, ev in enumerate(events):
+        if not ev.startswith(_LIFECYCLE):
+            continue
+        head, sep, data = ev.partition(b"\ndata: ")
+        try:
+            obj = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("response"), dict):
+            obj["response"] |= {"previous_response_id": previous_id, "store": store}
+            events[i] = head + sep + msgspec.json.encode(obj)
+    return b"\n\n".join(events)
+
+
 def _final_response(chunk: bytes) -> dict[str, Any] | None:
     """The response object of a Responses stream's final event, if ``chunk`` holds it."""
     for ev in chunk.split(b"\n\n"):
@@ -113,7 +137,8 @@ class ResponsesFlow:
     async def _storing(self, stream: Any, turn: Turn, tenant: Tenant) -> Any:
         saved = False
         try:
-            async for chunk in stream:
+            async for raw in stream:
+                chunk = restate(raw, turn.previous_id, turn.store)
                 if not saved and b"event: response." in chunk:
                     response = _final_response(chunk)
                     if response is not None:

@@ -74,6 +74,7 @@ def test_responses_create_stream_retrieve_delete(oai: openai.OpenAI) -> None:
             elif event.type in ("response.completed", "response.incomplete"):
                 final = event.response
     assert final is not None and final.usage is not None and final.usage.output_tokens > 0
+    assert final.store is True  # the client's setting, though the engine was sent store: false
     streamed = oai.responses.retrieve(final.id)  # stored before the stream's last byte
     assert streamed.output_text == "".join(deltas) == final.output_text
 

@@ -190,6 +190,23 @@ def test_anthropic_routes_render_errors_in_anthropics_shape(exc: Exception, stat
     assert event.startswith(b"event: error\ndata: ") and event.endswith(b"\n\n")
 
 
+def test_streamed_response_objects_show_the_clients_conversation_fields() -> None:
+    """The engine is sent ``store: false`` and no previous id; the client's events say what it asked."""
+    from serving.gateway.agent_routes import restate
+
+    created = b'event: response.created\ndata: {"type":"response.created","response":{"id":"r","store":false}}\n\n'
+    delta = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"4"}\n\n'
+    done = b'event: response.completed\ndata: {"type":"response.completed","response":{"id":"r","store":false,'
+    done += b'"previous_response_id":null}}\n\n'
+    out = restate(created + delta + done, "resp_1", True)
+    events = [e for e in out.split(b"\n\n") if e]
+    assert len(events) == 3 and events[1] == delta[:-2] and out.endswith(b"\n\n")
+    for ev in (events[0], events[2]):
+        response = json.loads(ev.partition(b"\ndata: ")[2])["response"]
+        assert response == {"id": "r", "store": True, "previous_response_id": "resp_1"}
+    assert restate(delta, "resp_1", True) == delta
+
+
 # -- the routes in-process ----------------------------------------------------------------------
 
 KEYS = {"a": "sk-a", "b": "sk-b"}
