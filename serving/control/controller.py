@@ -125,6 +125,8 @@ class Controller:
                 self._tick_model(m)
             except Exception as exc:  # one model's trouble must not stop the others' promotions
                 log.exception("promotion tick of %s failed: %s", m.name, exc)
+        if getattr(self.applier, "reconcile_each_poll", False):  # undo an apply of a stale config
+            self.applier.apply(self.current())
         return "active"
 
     def _tick_model(self, m: ModelConfig) -> None:
