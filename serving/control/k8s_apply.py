@@ -61,8 +61,15 @@ class RayServiceApplier:
 
     reconcile_each_poll = True
 
-    def __init__(self, seed: StackConfig, local: Any, sa_dir: Path = SA_DIR, api: str = API) -> None:
-        self.seed, self.local, self.sa_dir, self.api = seed, local, sa_dir, api
+    def __init__(
+        self,
+        seed: StackConfig,
+        local: Any,
+        sa_dir: Path = SA_DIR,
+        api: str = API,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.seed, self.local, self.sa_dir, self.api, self.transport = seed, local, sa_dir, api, transport
         namespace = (sa_dir / "namespace").read_text().strip() if (sa_dir / "namespace").exists() else "raystack"
         self.url = f"{api}/apis/ray.io/v1/namespaces/{namespace}/rayservices/{RAYSERVICE_NAME}"
 
@@ -70,7 +77,10 @@ class RayServiceApplier:
         token = (self.sa_dir / "token").read_text().strip()  # re-read: the kubelet rotates it
         ca = self.sa_dir / "ca.crt"
         return httpx.Client(
-            headers={"authorization": f"Bearer {token}"}, verify=str(ca) if ca.exists() else True, timeout=30
+            headers={"authorization": f"Bearer {token}"},
+            verify=str(ca) if ca.exists() else True,
+            timeout=30,
+            transport=self.transport,
         )
 
     def apply(self, cfg: StackConfig) -> None:
