@@ -38,10 +38,27 @@ def _load(path: Path, live: bool = True) -> StackConfig:
 
     try:
         cfg = load_config(path)
-        return live_config(cfg, _control(cfg, path)) if live else cfg
+        if not live:
+            return cfg
+        control = _control(cfg, path)
+        _migrate_routes(cfg, control)
+        return live_config(cfg, control)
     except ConfigError as exc:
         console.print(str(exc), style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None
+
+
+def _migrate_routes(cfg: StackConfig, control: ControlStore) -> None:
+    """Once: the routes file earlier versions kept in .run/ becomes the store's record."""
+    from serving.control.stack import RUN_DIR
+
+    routes = RUN_DIR / f"{cfg.name}.versions.json"
+    if not routes.is_file() or control.live():
+        return
+    for model, versions in json.loads(routes.read_text()).items():
+        control.set_live(model, [(v["version"], int(v["weight"])) for v in versions])
+    routes.rename(routes.with_suffix(".json.migrated"))
+    console.print(f"moved the live versions of {routes} into {control.base}/live.json")
 
 
 def _control(cfg: StackConfig, config: Path) -> ControlStore:

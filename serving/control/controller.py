@@ -211,10 +211,12 @@ class Controller:
         if weights:
             self._set(rec.model, list(weights.items()))
 
-    def _rollback(self, rec: PromotionRecord, reason: str, status: str = "rolled_back") -> None:
+    def _rollback(
+        self, rec: PromotionRecord, reason: str, status: str = "rolled_back", fig: dict[str, Any] | None = None
+    ) -> None:
         rec.status = "aborted" if status == "aborted" else "rolled_back"
         rec.reason = reason
-        self._step(rec, "rollback", {rec.previous: 100}, {}, reason)
+        self._step(rec, "rollback", {rec.previous: 100}, fig or {}, reason)
 
     def _resume(self, rec: PromotionRecord) -> None:
         """A promotion this controller did not start (it restarted): restart the step's window."""
@@ -301,10 +303,11 @@ class Controller:
     def _decide(self, rec: PromotionRecord, policy: PromotionPolicy, v: Verdict) -> None:
         weight = policy.steps[rec.step_index]
         if v.action == "rollback":
-            return self._rollback(rec, f"at {weight}%: {v.reason}")
+            return self._rollback(rec, f"at {weight}%: {v.reason}", fig=v.figures)
         if v.action in ("extend", "hold"):
             if rec.extensions >= policy.max_step_extensions:
-                return self._rollback(rec, f"at {weight}%: {v.reason}, after {rec.extensions} extensions")
+                why = f"at {weight}%: {v.reason}, after {rec.extensions} extensions"
+                return self._rollback(rec, why, fig=v.figures)
             rec.extensions += 1
             return self._step(rec, v.action, {}, v.figures, f"at {weight}%: {v.reason}")
         rec.steps.append(StepRecord(at=self.clock(), phase="passed", figures=v.figures, note=f"{weight}%: {v.reason}"))

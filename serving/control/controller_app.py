@@ -94,12 +94,19 @@ class HttpProber:
     def __init__(self, base_url: str, headers: dict[str, str]) -> None:
         self.base_url, self.headers = base_url.rstrip("/"), headers
 
-    def warm(self, model: str, version: str, n: int) -> None:
+    def warm(self, model: str, version: str, n: int, first_within_s: float = 30) -> None:
+        """``n`` requests that must all answer 200; the first may wait ``first_within_s`` for
+        the gateways to learn the new app's replicas (its RUNNING can precede that)."""
         body = {"model": f"{model}@{version}", "prompt": "1+1=", "max_tokens": 2}
-        for _ in range(n):
-            r = httpx.post(f"{self.base_url}/v1/completions", json=body, headers=self.headers, timeout=120)
-            if r.status_code != 200:
-                raise RuntimeError(f"warm-up request answered {r.status_code}")
+        deadline = time.monotonic() + first_within_s
+        for i in range(n):
+            while True:
+                r = httpx.post(f"{self.base_url}/v1/completions", json=body, headers=self.headers, timeout=120)
+                if r.status_code == 200:
+                    break
+                if i > 0 or time.monotonic() > deadline:
+                    raise RuntimeError(f"warm-up request answered {r.status_code}")
+                time.sleep(2)
 
     def online_eval(self, model: str, version: str, manifest: Manifest, n: int) -> float | None:
         """Exact match on a random sample of the manifest's eval rows, greedy, answers compared
