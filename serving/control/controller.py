@@ -4,8 +4,9 @@ model's promotion by at most one step, and records every step before it applies 
 A promotion of ``model@new`` beside ``model@live`` goes::
 
     deploying   new at 0 % beside live; wait until its app is RUNNING, then warm it
-    stepping    new at steps[i] %, watched for step_seconds (serving.control.watch), then
-                online eval; pass -> next step; extend/hold -> watched longer (up to
+    stepping    new at steps[i] %, watched for step_seconds (serving.control.watch) and
+                online-evaluated once (a score below the manifest's rolls back, whatever the
+                traffic); pass -> next step; extend/hold -> watched longer (up to
                 max_step_extensions times, then rolled back); rollback -> live alone again
     finishing   new at 100 %, live at 0 % for drain_seconds; then live removed -> promoted
 
@@ -281,8 +282,12 @@ class Controller:
             VersionStats.from_json(base) if base else None,
             policy,
         )
-        if verdict.action == "pass":
-            verdict = self._online_eval(rec, policy, verdict)
+        if verdict.action != "rollback" and rec.baseline.get("evaluated_step") != rec.step_index:
+            # once per step, whatever the traffic: the eval prompts are the controller's own
+            rec.baseline["evaluated_step"] = rec.step_index
+            evaluated = self._online_eval(rec, policy, verdict)
+            if evaluated.action == "rollback" or verdict.action == "pass":
+                verdict = evaluated
         self._decide(rec, policy, verdict)
 
     def _online_eval(self, rec: PromotionRecord, policy: PromotionPolicy, verdict: Verdict) -> Verdict:

@@ -67,7 +67,8 @@ class ServeApplier:
         messages = [str(details.get("message", ""))] + [
             str(d.get("message", "")) for d in details.get("deployments", {}).values()
         ]
-        return str(details.get("status")), "\n".join(m for m in messages if m)
+        status = details.get("status")
+        return str(getattr(status, "value", status)), "\n".join(m for m in messages if m)
 
     def metrics_texts(self) -> list[str]:
         import ray
@@ -179,6 +180,10 @@ class PromotionController:
         from serving.metrics import ControllerMetrics
 
         self.cfg = StackConfig.model_validate(config)
+        # decisions go to the replica's own log file, beside Serve's lines
+        logger.setLevel(logging.INFO)
+        for handler in logging.getLogger("ray.serve").handlers:
+            logger.addHandler(handler)
         self.metrics = ControllerMetrics()
         self.controller = build_controller(self.cfg, Path(base) if base else None, self.metrics.observe)
         self.state = "starting"

@@ -195,15 +195,18 @@ def test_thin_traffic_extends_never_passes(env: Any) -> None:
     assert rec.status == "rolled_back" and "fewer than 5" in rec.reason
 
 
-def test_online_eval_below_the_manifest_rolls_back(env: Any) -> None:
+@pytest.mark.parametrize("traffic", [10, 0])
+def test_online_eval_below_the_manifest_rolls_back_whatever_the_traffic(env: Any, traffic: int) -> None:
     tmp, clock, cluster = env
     ctl = _controller(tmp, _cfg(), clock, cluster)
     _publish(tmp / "ck", "calc", "v2", score=0.95)
     cluster.score = 0.2
-    _run(ctl, clock, 15)
+    cluster.per_tick = {"v1": (10, 0, 0.05), "v2": (traffic, 0, 0.05)}
+    _run(ctl, clock, 8)
     (rec,) = ctl.control.history("calc")
     assert rec.status == "rolled_back" and rec.reason.startswith("at 10%: online eval: exact_match 0.200")
     assert "vs manifest 0.950" in rec.reason and cluster.weights() == [("v1", 100)]
+    assert [s.phase for s in rec.steps] == ["deploy", "step", "rollback"]
 
 
 def test_refusals_are_recorded_and_not_retried(env: Any) -> None:
