@@ -188,6 +188,7 @@ def test_the_controller_promotes_what_training_publishes(stack: Stack, store: Pa
     try:
         _promoted_with_a_kill_mid_canary(stack, store)
         _worse_answers_rolled_back(stack, store)
+        _metrics_show_the_outcome()
         # a re-run of `serving up` of the same stack config serves the promoted version
         subprocess.run([SERVING, "up", "-c", str(stack.config)], cwd=ROOT, check=True, timeout=600)
         ids = {m["id"] for m in httpx.get(f"{stack.url}/v1/models").json()["data"]}
@@ -215,6 +216,30 @@ def _promoted_with_a_kill_mid_canary(stack: Stack, store: Path) -> None:
     assert _exact_max(stack.url, "arith") >= v2_score - 0.05, manifest["eval"]
     ids = {m["id"] for m in httpx.get(f"{stack.url}/v1/models").json()["data"]}
     assert ids == {"arith", "arith@v2"}
+
+
+def _metrics_show_the_outcome() -> None:
+    """The controller's gauges on Ray's metrics endpoint: v2 at 100 %, v3 back to 0, phase idle."""
+    from serving.metrics import samples
+
+    deadline, seen = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:  # Ray's agent exports gauges every few seconds
+        text = httpx.get("http://127.0.0.1:8089/metrics", timeout=30).text
+        seen = {
+            (name.removeprefix("ray_"), labels.get("version") or labels.get("phase")): value
+            for name, labels, value in samples(text, "raystack_promotion")
+            if labels.get("model") == "arith"
+        }
+        want = {
+            ("raystack_promotion_weight_percent", "v2"): 100.0,
+            ("raystack_promotion_weight_percent", "v3"): 0.0,
+            ("raystack_promotion_phase", "idle"): 1.0,
+            ("raystack_promotion_phase", "stepping"): 0.0,
+        }
+        if all(seen.get(k) == v for k, v in want.items()):
+            return
+        time.sleep(2)
+    raise AssertionError(f"promotion gauges: {seen}")
 
 
 def _worse_answers_rolled_back(stack: Stack, store: Path) -> None:
