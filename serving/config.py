@@ -21,6 +21,9 @@ __all__ = [
     "TenantConfig",
     "AutoscalingConfig",
     "ConfigError",
+    "ControllerConfig",
+    "OnlineEval",
+    "PromotionPolicy",
     "DeploymentOptions",
     "EngineConfig",
     "GatewayConfig",
@@ -200,6 +203,61 @@ class ModelVersion(_Strict):
         return v
 
 
+class OnlineEval(_Strict):
+    """Held-out eval prompts sent to ``model@new`` during the canary (errors and latency cannot
+    see a model that answers worse)."""
+
+    samples: int = Field(20, ge=0, description="Eval rows sent per canary step (0 = no online eval).")
+    margin: float = Field(
+        0.1, ge=0, le=1, description="Roll back when the online exact match is below the manifest's by more."
+    )
+    metric: str = Field("exact_match", description="The manifest's eval metric the online score is compared to.")
+
+
+class PromotionPolicy(_Strict):
+    """How the promotion controller canaries a new version of this model (docs/operations.md)."""
+
+    mode: Literal["manual", "auto"] = Field(
+        "manual",
+        description="auto: a newer version in the store that passes hashes and the gate is promoted by the "
+        "controller; manual: it waits for `serving promote MODEL VERSION`.",
+    )
+    steps: list[int] = Field(default_factory=lambda: [10, 50, 100], description="Traffic % of the new version.")
+    step_seconds: float = Field(30, gt=0, description="How long each step is watched.")
+    min_requests: int = Field(
+        5, ge=1, description="Requests the new version must answer in a step before it is judged."
+    )
+    max_step_extensions: int = Field(
+        3,
+        ge=0,
+        description="A step short of min_requests (or overloaded) is extended this many times, then rolled back.",
+    )
+    max_error_rate_increase: float = Field(0.02, ge=0, le=1, description="New error rate allowed above the live one.")
+    max_ttft_ratio: float = Field(2.0, gt=1, description="New TTFT percentile allowed, times the live one's...")
+    ttft_slack_s: float = Field(0.05, ge=0, description="...plus this.")
+    ttft_percentiles: list[float] = Field(
+        default_factory=lambda: [0.5, 0.95], description="TTFT percentiles compared (from the histograms)."
+    )
+    warmup_requests: int = Field(3, ge=0, description="Requests sent to model@new before it gets traffic.")
+    deploy_timeout_s: float = Field(600, gt=0, description="The new version's app must be RUNNING within this.")
+    drain_seconds: float = Field(5, ge=0, description="The old version gets no traffic this long before removal.")
+    online_eval: OnlineEval = Field(OnlineEval(), description="Held-out prompts sent to model@new per step.")
+
+    @field_validator("steps")
+    @classmethod
+    def _steps(cls, v: list[int]) -> list[int]:
+        if not v or v[-1] != 100 or any(not 0 < w <= 100 for w in v) or v != sorted(set(v)):
+            raise ValueError("steps rise strictly from above 0 and end at 100, e.g. [10, 50, 100]")
+        return v
+
+    @field_validator("ttft_percentiles")
+    @classmethod
+    def _percentiles(cls, v: list[float]) -> list[float]:
+        if any(not 0 < q < 1 for q in v):
+            raise ValueError("percentiles lie between 0 and 1 (0.5 is the median)")
+        return v
+
+
 class ModelConfig(_Strict):
     """One model: its versions (one Serve deployment each), aliases, engine and deployment options."""
 
@@ -212,6 +270,7 @@ class ModelConfig(_Strict):
         None,
         description="What a version's manifest must score to be promoted, e.g. {metric: exact_match, min: 0.9}.",
     )
+    promotion: PromotionPolicy = Field(PromotionPolicy(), description="How new versions are canaried.")
 
     @field_validator("name")
     @classmethod
@@ -482,6 +541,27 @@ class KubernetesConfig(_Strict):
         return v
 
 
+class ControllerConfig(_Strict):
+    """The promotion controller: one Serve application per stack (docs/operations.md)."""
+
+    enabled: bool = Field(True, description="Deploy the controller application with the stack.")
+    poll_s: float = Field(2.0, gt=0, le=300, description="How often it reads the store and judges the canaries.")
+    lock_ttl_s: float = Field(
+        30, ge=5, le=3600, description="Lease of the store lock; a controller that stops renewing loses it after this."
+    )
+    target: Literal["local", "kubernetes"] = Field(
+        "local",
+        description="local: steps are applied through Serve; kubernetes: as a patch of the RayService's "
+        "serveConfigV2 (render-k8s sets this).",
+    )
+    client_key_env: str | None = Field(
+        None, description="Env var with the API key the controller warms and evaluates new versions with."
+    )
+    gateway_url: str | None = Field(
+        None, description="Where the controller reaches the gateway (default: its host:port)."
+    )
+
+
 class StackConfig(_Strict):
     """A whole environment: gateway plus models."""
 
@@ -492,6 +572,7 @@ class StackConfig(_Strict):
     local_ray: LocalRayConfig = Field(LocalRayConfig(), description="Only for `serving up`.")
     shutdown: ShutdownConfig = Field(ShutdownConfig(), description="Draining budget of stopping replicas.")
     kubernetes: KubernetesConfig = Field(KubernetesConfig(), description="Only for `serving render-k8s`.")
+    controller: ControllerConfig = Field(ControllerConfig(), description="The promotion controller.")
     models: list[ModelConfig] = Field(min_length=1, description="Models served at the same time.")
 
     @model_validator(mode="after")

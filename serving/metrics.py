@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["EngineMetrics", "GatewayMetrics", "parse_prometheus_values", "samples"]
+__all__ = ["ControllerMetrics", "EngineMetrics", "GatewayMetrics", "parse_prometheus_values", "samples"]
 
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2, 5, 10, 30, 60]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2]
@@ -107,6 +107,40 @@ class EngineMetrics:
         for name, value in values.items():
             if name in self.FIELDS:  # the scrape carries more (progress counters) than is exported
                 self.gauges[self.FIELDS[name]].set(value, tags=tags)
+
+
+PROMOTION_PHASES = ("idle", "deploying", "stepping", "finishing")
+
+
+class ControllerMetrics:
+    """The promotion controller's state: per model the phase (one series per fixed phase, 1 for
+    the current one), per deployed model version its traffic weight, and whether this controller
+    holds the store lock. Versions are those of the record (deployed ones), so labels stay bounded."""
+
+    def __init__(self) -> None:
+        from ray.util import metrics as m
+
+        self.phase = m.Gauge(
+            "raystack_promotion_phase", "1 for the model's current promotion phase.", tag_keys=("model", "phase")
+        )
+        self.weight = m.Gauge(
+            "raystack_promotion_weight_percent", "Traffic weight of a deployed version.", tag_keys=("model", "version")
+        )
+        self.lock = m.Gauge("raystack_promotion_controller_active", "1 if this controller holds the store lock.")
+        self._versions: dict[str, set[str]] = {}
+
+    def observe(self, model: str, weights: dict[str, int], phase: str) -> None:
+        for p in PROMOTION_PHASES:
+            self.phase.set(1.0 if p == phase else 0.0, tags={"model": model, "phase": p})
+        gone = self._versions.get(model, set()) - set(weights)
+        for v in gone:  # removed versions drop to 0 and are forgotten
+            self.weight.set(0.0, tags={"model": model, "version": v})
+        for v, w in weights.items():
+            self.weight.set(float(w), tags={"model": model, "version": v})
+        self._versions[model] = set(weights)
+
+    def active(self, held: bool) -> None:
+        self.lock.set(1.0 if held else 0.0)
 
 
 def samples(

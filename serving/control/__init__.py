@@ -2,8 +2,9 @@
 
 :mod:`~serving.control.serve_config` builds the one Serve config a stack config means (deployed
 locally and written into the RayService alike); :mod:`~serving.control.stack` runs the local
-stack (Ray head, deploy, wait); :mod:`~serving.control.promotion` verifies, deploys beside,
-canaries and finishes or rolls back a new version; :mod:`~serving.control.k8s` renders the
-Kubernetes overlays; :mod:`~serving.control.reference` writes the config reference;
-:mod:`~serving.control.cli` is the ``serving`` command.
+stack (Ray head, deploy, wait); :mod:`~serving.control.controller` (run by the Serve application
+in :mod:`~serving.control.controller_app`) verifies, deploys beside, canaries and finishes or
+rolls back a new version, keeping its state in the store (:mod:`~serving.control.record`);
+:mod:`~serving.control.k8s` renders the Kubernetes overlays; :mod:`~serving.control.reference`
+writes the config reference; :mod:`~serving.control.cli` is the ``serving`` command.
 """

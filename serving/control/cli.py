@@ -19,7 +19,7 @@ from serving.control.serve_config import build_serve_config
 from serving.replica.engine import OFFLINE_ENV
 
 if TYPE_CHECKING:
-    from serving.control.stack import LocalDeployer, StackState
+    from serving.control.record import ControlStore
     from serving.registry import CheckpointStore
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -33,26 +33,38 @@ LOCAL_ENV = {**OFFLINE_ENV, "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _load(path: Path, live: bool = True) -> StackConfig:
-    """The stack config; with ``live``, the versions promoted since (the routes file) applied."""
-    from serving.control.promotion import apply_routes, routes_path
-    from serving.control.stack import RUN_DIR
+    """The stack config; with ``live``, the live versions recorded in the store applied."""
+    from serving.control.requests import live_config
 
     try:
         cfg = load_config(path)
-        return apply_routes(cfg, routes_path(RUN_DIR, cfg.name)) if live else cfg
+        if not live:
+            return cfg
+        control = _control(cfg, path)
+        _migrate_routes(cfg, control)
+        return live_config(cfg, control)
     except ConfigError as exc:
         console.print(str(exc), style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None
 
 
-def _running(cfg: StackConfig, config: Path) -> tuple[StackState, LocalDeployer]:
-    from serving.control.stack import LocalDeployer, StackState
+def _migrate_routes(cfg: StackConfig, control: ControlStore) -> None:
+    """Once: the routes file earlier versions kept in .run/ becomes the store's record."""
+    from serving.control.stack import RUN_DIR
 
-    state = StackState.load(cfg.name)
-    if state is None:
-        console.print(f"no running stack {cfg.name!r}; start it with: serving up -c {config}")
-        raise typer.Exit(1)
-    return state, LocalDeployer(state, config.resolve().parent, cfg.local_ray.metrics_export_port)
+    routes = RUN_DIR / f"{cfg.name}.versions.json"
+    if not routes.is_file() or control.live():
+        return
+    for model, versions in json.loads(routes.read_text()).items():
+        control.set_live(model, [(v["version"], int(v["weight"])) for v in versions])
+    routes.rename(routes.with_suffix(".json.migrated"))
+    console.print(f"moved the live versions of {routes} into {control.base}/live.json")
+
+
+def _control(cfg: StackConfig, config: Path) -> ControlStore:
+    from serving.control.record import ControlStore
+
+    return ControlStore(_store(cfg, config).root, cfg.name)
 
 
 def _store(cfg: StackConfig, config: Path) -> CheckpointStore:
@@ -69,9 +81,10 @@ def up(config: Path = ConfigOpt, timeout: float = typer.Option(900, help="Second
     """Build missing models, start a local Ray head and the stack, print the base URL."""
     from serving.control.stack import up as stack_up
 
-    cfg = _load(config)
+    seed = _load(config, live=False)
+    cfg = _load(config)  # the live versions of the store's record: a re-run keeps promotions
     try:
-        state = stack_up(cfg, config.resolve().parent, LOCAL_ENV, timeout, log=console.print)
+        state = stack_up(cfg, config.resolve().parent, LOCAL_ENV, timeout, log=console.print, seed=seed)
     except (RuntimeError, TimeoutError, FileNotFoundError, ConfigError) as exc:
         console.print(f"serving up failed: {exc}", style="red", markup=False)
         console.print(f"Stop what started with: serving down -c {config}", markup=False)
@@ -120,7 +133,8 @@ def status(config: Path = ConfigOpt) -> None:
 def render(config: Path = ConfigOpt, output: Path | None = typer.Option(None, "-o")) -> None:
     """Print the Serve config (the ``serve deploy`` schema) this stack config produces."""
     cfg = _load(config)
-    text = yaml.safe_dump(build_serve_config(cfg, config.resolve().parent), sort_keys=False)
+    seed = _load(config, live=False)
+    text = yaml.safe_dump(build_serve_config(cfg, config.resolve().parent, seed=seed), sort_keys=False)
     if output:
         output.write_text(text)
     else:
@@ -130,48 +144,51 @@ def render(config: Path = ConfigOpt, output: Path | None = typer.Option(None, "-
 @app.command()
 def promote(
     model: str = typer.Argument(..., help="Model name."),
-    version: str = typer.Argument(..., help="Version in the checkpoint store to promote."),
+    version: str | None = typer.Argument(None, help="Version in the checkpoint store to promote."),
     config: Path = ConfigOpt,
-    steps: str = typer.Option("10,50,100", help="Traffic percentages for the new version."),
-    step_seconds: float = typer.Option(30, help="How long each step is watched."),
-    max_ttft_ratio: float = typer.Option(
-        2.0, help="Roll back when the new version's mean TTFT exceeds the live one's times this (plus 50 ms)."
-    ),
-    api_key_env: str = typer.Option("", help="Env var with an API key for warm-up requests."),
+    abort: bool = typer.Option(False, "--abort", help="Roll back the model's promotion in progress."),
+    steps: str | None = typer.Option(None, help="Traffic percentages (default: models[].promotion.steps)."),
+    step_seconds: float | None = typer.Option(None, help="How long each step is watched."),
+    max_ttft_ratio: float | None = typer.Option(None, help="TTFT percentile limit, times the live version's."),
+    follow: bool = typer.Option(True, help="Follow the promotion until it ends."),
+    timeout: float = typer.Option(1800, help="Seconds to follow."),
 ) -> None:
-    """Verify, deploy beside the live version, warm up, shift traffic in steps under SLO watch,
-    then finish or roll back automatically."""
-    import os
+    """Ask the promotion controller to canary MODEL@VERSION (or --abort the one in progress), then
+    follow its steps. Exit 0 promoted, 1 rolled back or aborted, 2 refused, 3 nobody took it."""
+    from serving.control.requests import submit
 
-    from serving.control.promotion import PromotionError, SloPolicy, routes_path, save_result
-    from serving.control.promotion import promote as run_promotion
-    from serving.control.stack import RUN_DIR
+    cfg = _load(config, live=False)
+    cfg.model(model)
+    if not abort and version is None:
+        console.print("give a VERSION to promote, or --abort", style="red")
+        raise typer.Exit(2)
+    overrides: dict[str, object] = {}
+    if steps:
+        overrides["steps"] = [int(x) for x in steps.split(",")]
+    if step_seconds is not None:
+        overrides["step_seconds"] = step_seconds
+    if max_ttft_ratio is not None:
+        overrides["max_ttft_ratio"] = max_ttft_ratio
+    control = _control(cfg, config)
+    at = submit(control, model, "abort" if abort else "promote", None if abort else version, overrides)
+    _follow(control, model, at, None if abort else version, follow, timeout)
 
-    cfg = _load(config)
-    state, deployer = _running(cfg, config)
-    policy = SloPolicy(
-        steps=tuple(int(x) for x in steps.split(",")), step_seconds=step_seconds, max_ttft_ratio=max_ttft_ratio
-    )
-    headers = {"authorization": f"Bearer {os.environ[api_key_env]}"} if api_key_env else {}
-    try:
-        result = run_promotion(
-            cfg,
-            model,
-            version,
-            store=_store(cfg, config),
-            deployer=deployer,
-            routes_file=routes_path(RUN_DIR, cfg.name),
-            base_url=state.base_url,
-            policy=policy,
-            headers=headers,
-            log=console.print,
-        )
-    except (PromotionError, KeyError) as exc:
-        console.print(f"promotion refused: {exc}", style="red", markup=False)
-        raise typer.Exit(2) from None
-    save_result(RUN_DIR, cfg.name, result)
-    print(f"{result.status}: {model}@{version}" + (f" ({result.reason})" if result.reason else ""))
-    raise typer.Exit(0 if result.status == "promoted" else 1)
+
+def _follow(control: ControlStore, model: str, at: float, version: str | None, follow: bool, timeout: float) -> None:
+    from serving.control.requests import controller_alive
+    from serving.control.requests import follow as follow_record
+
+    if not controller_alive(control):
+        console.print("no promotion controller holds the store lock: the request waits until one runs")
+    if not follow:
+        print(f"submitted to the promotion controller ({control.base})")
+        return
+    rec = follow_record(control, model, at, version, print, timeout)
+    if rec is None:
+        print(f"no promotion controller took the request within {timeout:.0f}s")
+        raise typer.Exit(3)
+    print(f"{rec.status}: {rec.model}@{rec.version}" + (f" ({rec.reason})" if rec.reason else ""))
+    raise typer.Exit({"promoted": 0, "refused": 2}.get(rec.status, 1))
 
 
 @app.command()
@@ -180,19 +197,37 @@ def rollback(
     config: Path = ConfigOpt,
     to: str | None = typer.Option(None, help="Version to keep (default: the one with most traffic)."),
 ) -> None:
-    """Serve one version of a model alone again, removing the others."""
-    from serving.control.promotion import PromotionError, routes_path
-    from serving.control.promotion import rollback as run_rollback
-    from serving.control.stack import RUN_DIR
+    """Roll back the model's promotion in progress, or serve one deployed version alone again."""
+    from serving.control.requests import submit
 
-    cfg = _load(config)
-    _, deployer = _running(cfg, config)
-    try:
-        kept = run_rollback(cfg, model, deployer, routes_path(RUN_DIR, cfg.name), to)
-    except (PromotionError, KeyError) as exc:
-        console.print(f"rollback refused: {exc}", style="red", markup=False)
-        raise typer.Exit(2) from None
-    print(f"{model}: serving {kept} alone")
+    cfg = _load(config, live=False)
+    cfg.model(model)
+    control = _control(cfg, config)
+    at = submit(control, model, "rollback", to, {})
+    _follow(control, model, at, None, True, 120) if control.active(model) else _wait_taken(control, model)
+    print(f"{model}: {', '.join(f'{v.version}={v.weight}%' for v in _load(config).model(model).versions)}")
+
+
+def _wait_taken(control: ControlStore, model: str, timeout_s: float = 120) -> None:
+    from serving.waiting import poll
+
+    if not poll(lambda: control.pending_request(model) is None, timeout_s, 1):
+        console.print("no promotion controller took the request", style="red")
+        raise typer.Exit(3)
+
+
+@app.command()
+def promotions(model: str | None = typer.Argument(None), config: Path = ConfigOpt, last: int = 10) -> None:
+    """History of promotions: what, when, each step's figures, why it finished or rolled back."""
+    from serving.control.requests import controller_alive, format_record
+
+    cfg = _load(config, live=False)
+    control = _control(cfg, config)
+    state = "active" if controller_alive(control) else "none holds the lock"
+    print(f"promotion controller: {state}; record in {control.base}")
+    for name in [model] if model else control.models_with_history():
+        for rec in control.history(name)[-last:]:
+            print(format_record(rec))
 
 
 @app.command()

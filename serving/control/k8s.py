@@ -15,7 +15,6 @@ from pathlib import Path
 import yaml
 
 from serving.config import StackConfig, load_config
-from serving.control.serve_config import build_serve_config
 
 __all__ = [
     "K8sError",
@@ -66,11 +65,19 @@ def _check_for_k8s(cfg: StackConfig, source: str) -> None:
         )
 
 
+def for_k8s(cfg: StackConfig) -> StackConfig:
+    """The stack config as it runs on Kubernetes: its controller patches the RayService."""
+    return cfg.model_copy(update={"controller": cfg.controller.model_copy(update={"target": "kubernetes"})})
+
+
 def render_serve_config_v2(config_path: str | Path) -> str:
-    """The RayService ``serveConfigV2`` (a YAML string) for a stack config file."""
-    cfg = load_config(config_path)
+    """The RayService ``serveConfigV2`` (a YAML string) for a stack config file: the versions as
+    written (git's seed); the controller patches the live ones in (:mod:`serving.control.k8s_apply`)."""
+    from serving.control.k8s_apply import serve_config_v2
+
+    cfg = for_k8s(load_config(config_path))
     _check_for_k8s(cfg, str(config_path))
-    return yaml.safe_dump(build_serve_config(cfg, base=None), sort_keys=False)
+    return serve_config_v2(cfg, cfg)
 
 
 class _LiteralDumper(yaml.SafeDumper):

@@ -27,9 +27,10 @@ from serving.registry import created_at
 from serving.replica.engine import EngineSpec
 from serving.replica.routers import ROUTER_CLASSES
 
-__all__ = ["app_name", "build_serve_config", "routing_user_config"]
+__all__ = ["CONTROLLER_APP", "app_name", "build_serve_config", "routing_user_config"]
 
 GATEWAY_APP = "gateway"
+CONTROLLER_APP = "promotion-controller"
 # Fields of GatewayConfig that shape the Serve deployment (options, not init args): kept out of the
 # gateway's args, so that scaling the gateway scales it instead of restarting every replica.
 GATEWAY_SHAPE: set[str] = {"num_replicas", "autoscaling", "num_cpus"}
@@ -157,12 +158,41 @@ def _model_application(cfg: StackConfig, m: ModelConfig, v: ModelVersion, base: 
     }
 
 
-def build_serve_config(cfg: StackConfig, base: Path | None = None, read_manifests: bool = False) -> dict[str, Any]:
+def _controller_application(seed: StackConfig, base: Path | None) -> dict[str, Any]:
+    """The promotion controller's app; its args are the stack config as written (``seed``), not
+    the live versions, so that applying a promotion step never changes (restarts) it."""
+    on_k8s = seed.controller.target == "kubernetes"
+    options: dict[str, Any] = {"num_cpus": 0.05}
+    if on_k8s:  # its own worker group, whose pods run under the controller's service account
+        options["resources"] = {"raystack-promotion": 1}
+    return {
+        "name": CONTROLLER_APP,
+        "route_prefix": None,
+        "import_path": "serving.control.controller_app:build_promotion_controller",
+        "args": {"config": seed.model_dump(mode="json"), "base": str(base) if base else None},
+        "deployments": [
+            {
+                "name": "PromotionController",
+                "num_replicas": 1,
+                "ray_actor_options": options,
+                "health_check_period_s": 10,
+                "health_check_timeout_s": 30,
+                "graceful_shutdown_timeout_s": seed.shutdown.grace_s,
+            }
+        ],
+    }
+
+
+def build_serve_config(
+    cfg: StackConfig, base: Path | None = None, read_manifests: bool = False, seed: StackConfig | None = None
+) -> dict[str, Any]:
     """The complete Serve config (the ``serve deploy`` schema) for a stack config.
 
     ``base`` resolves relative checkpoint paths (the config file's folder); on Kubernetes the
-    checkpoint root is absolute or a URI, and ``base`` is None. ``read_manifests``: read each
-    version's creation time from its manifest (a deploy does; rendering offline does not).
+    checkpoint root is absolute or a URI, and ``base`` is None. ``cfg`` carries the live versions
+    (the record applied); ``seed``, the config as written, is what the promotion controller gets
+    (default: ``cfg``). ``read_manifests``: read each version's creation time from its manifest
+    (a deploy does; rendering offline does not).
     """
     g, sd = cfg.gateway, cfg.shutdown
     gateway = {
@@ -195,6 +225,8 @@ def build_serve_config(cfg: StackConfig, base: Path | None = None, read_manifest
         ],
     }
     apps = [gateway] + [_model_application(cfg, m, v, base) for m in cfg.models for v in m.versions]
+    if cfg.controller.enabled:
+        apps.append(_controller_application(seed or cfg, base))
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": g.host, "port": g.serve_proxy_port, "keep_alive_timeout_s": 60},

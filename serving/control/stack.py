@@ -263,30 +263,23 @@ def stop_stack(name: str, log: Any = print) -> bool:
     return True
 
 
-class LocalDeployer:
-    """Applies stack configs to the running local stack (used by promotions)."""
-
-    def __init__(self, state: StackState, base: Path, metrics_port: int) -> None:
-        self.state, self.base, self.metrics_port = state, base, metrics_port
-
-    def apply(self, cfg: StackConfig) -> None:
-        deploy(self.state, build_serve_config(cfg, self.base, read_manifests=True))
-
-    def wait_running(self, apps: list[str], timeout_s: float) -> None:
-        wait_running(self.state, apps, timeout_s, log=lambda _msg: None)
-
-    def metrics_text(self) -> str:
-        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30).text
-
-
-def up(cfg: StackConfig, base: Path, env: dict[str, str], timeout_s: float, log: Any = print) -> StackState:
+def up(
+    cfg: StackConfig,
+    base: Path,
+    env: dict[str, str],
+    timeout_s: float,
+    log: Any = print,
+    seed: StackConfig | None = None,
+) -> StackState:
+    """Start the stack ``cfg`` (the live versions applied); ``seed`` is the config as written,
+    which the promotion controller application gets."""
     ensure_models(cfg, base, log)
     base_url = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
     g, r = cfg.gateway, cfg.local_ray
     ports = (g.port, g.serve_proxy_port, r.gcs_port, r.dashboard_port, r.metrics_export_port)
     state = start_ray(cfg.name, r, env, base_url, ports)
     log(f"ray head up (pid {state.ray_pid}, dashboard {state.dashboard}, loopback only)")
-    serve_config = build_serve_config(cfg, base, read_manifests=True)
+    serve_config = build_serve_config(cfg, base, read_manifests=True, seed=seed)
     deploy(state, serve_config)
     wait_running(state, [a["name"] for a in serve_config["applications"]], timeout_s, log)
     wait_http(base_url)

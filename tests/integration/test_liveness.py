@@ -173,7 +173,8 @@ def _roll_gateway(stack: Stack, retries: int) -> None:
     old = set(_replica_pids("gateway"))
     assert len(old) == cfg.gateway.num_replicas, old
     changed = cfg.model_copy(update={"gateway": cfg.gateway.model_copy(update={"retries": retries})})
-    deploy(state, build_serve_config(changed, stack.config.parent))
+    # seed: the promotion controller keeps its args (a changed one restarts and re-applies the record)
+    deploy(state, build_serve_config(changed, stack.config.parent, seed=cfg))
     deadline = time.monotonic() + 120
     while True:
         now = set(_replica_pids("gateway"))

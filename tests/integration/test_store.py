@@ -112,12 +112,13 @@ def test_tampered_s3_version_refused_before_the_engine(stack: Stack, s3_env: dic
     )
     base = stack.config.resolve().parent
     try:
-        deploy(state, build_serve_config(bad, base))
+        # seed: the promotion controller keeps its args (a changed one restarts and re-applies the record)
+        deploy(state, build_serve_config(bad, base, seed=cfg))
         with pytest.raises(RuntimeError) as failed:
             wait_running(state, [app_name(m.name, "v2")], 300, log=lambda _m: None)
         message = " ".join(str(failed.value).split())
         assert "refusing to start vLLM for subtractor@v2" in message, message
         assert "file model.safetensors does not match its sha256" in message, message
     finally:
-        deploy(state, build_serve_config(cfg, base))
+        deploy(state, build_serve_config(cfg, base, seed=cfg))
     assert _subtracts(stack)  # v1 serves on

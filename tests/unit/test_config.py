@@ -97,7 +97,7 @@ def test_serve_config_layout_and_options() -> None:
     )
     sc = build_serve_config(cfg)
     names = [a["name"] for a in sc["applications"]]
-    assert names == ["gateway", "adder--v1", "adder--v2", "big--v1"]
+    assert names == ["gateway", "adder--v1", "adder--v2", "big--v1", "promotion-controller"]
     adder = sc["applications"][1]
     assert adder["route_prefix"] is None
     dep = adder["deployments"][0]

@@ -217,8 +217,8 @@ async def test_a_stopping_listener_fails_readiness_first_then_drains_then_closes
 def test_one_shutdown_budget_for_every_deployment() -> None:
     cfg = parse_config({"auth": {"mode": "open"}, "models": [MODEL], "shutdown": {"grace_s": 45, "notice_s": 4}})
     sc = build_serve_config(cfg)
-    gateway, model = sc["applications"]
-    assert [d["graceful_shutdown_timeout_s"] for a in sc["applications"] for d in a["deployments"]] == [45, 45]
+    gateway, model, _controller = sc["applications"]
+    assert [d["graceful_shutdown_timeout_s"] for a in sc["applications"] for d in a["deployments"]] == [45, 45, 45]
     shutdown = ShutdownConfig.model_validate(gateway["args"]["shutdown"])
     assert shutdown.notice_s == 4 and shutdown.notice_s + shutdown.listener_drain_s < 45
     assert model["args"]["spec"]["shutdown_grace_s"] == 45

@@ -21,6 +21,7 @@ import yaml
 from serving.config import load_config
 from serving.control.k8s import (
     K8sError,
+    for_k8s,
     overlay_envs,
     render_overlays,
     render_serve_config_v2,
@@ -243,7 +244,8 @@ def test_crd_schema_conversion_rules() -> None:
 def test_serve_config_v2_is_build_serve_config_of_the_stack_config(kubectl: str, overlay: str) -> None:
     env = _base_env(overlay)
     rendered = yaml.safe_load(_one(_render(overlay), "RayService")["spec"]["serveConfigV2"])
-    expected = build_serve_config(load_config(REPO / "deployments" / f"{env}.yaml"), base=None)
+    cfg = for_k8s(load_config(REPO / "deployments" / f"{env}.yaml"))
+    expected = build_serve_config(cfg, base=None, seed=cfg)
     assert rendered == expected
 
 
@@ -309,7 +311,7 @@ def test_loopback_gateway_host_is_refused_on_kubernetes(tmp_path: Path) -> None:
 
 def test_object_store_checkpoint_root_is_accepted(tmp_path: Path) -> None:
     config = yaml.safe_load(render_serve_config_v2(_stack_config(tmp_path, checkpoint_root="s3://bucket/models")))
-    paths = [a["args"]["spec"]["path"] for a in config["applications"] if a["name"] != "gateway"]
+    paths = [a["args"]["spec"]["path"] for a in config["applications"] if "spec" in a["args"]]
     assert paths == ["s3://bucket/models/llama-8b/v1", "s3://bucket/models/llama-70b/v1"]
 
 
@@ -347,6 +349,9 @@ def test_object_store_component(kubectl: str, crds: CrdValidator, tmp_path: Path
     assert words[words.index("--root") + 1] == uri
     assert words[:4] + words[5:] == base_words[:4] + base_words[5:]
     serve = yaml.safe_load(_one(tuple(objs), "RayService")["spec"]["serveConfigV2"])
-    assert all(a["args"]["spec"]["path"].startswith(uri + "/") for a in serve["applications"][1:])
+    models = [a for a in serve["applications"] if "spec" in a["args"]]
+    assert models and all(a["args"]["spec"]["path"].startswith(uri + "/") for a in models)
+    controller = next(a for a in serve["applications"] if a["name"] == "promotion-controller")
+    assert controller["args"]["config"]["checkpoint_root"] == uri  # its record lives in that store too
     egress = next(o for o in objs if o["metadata"]["name"] == "object-store-egress")
     assert egress["metadata"]["namespace"] == "raystack"

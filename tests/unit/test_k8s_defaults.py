@@ -59,15 +59,18 @@ def test_production_has_gcs_fault_tolerance(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_an_api_token_is_mounted_only_into_the_autoscaler(overlay: str) -> None:
-    """No Ray pod automounts a service-account token and no Ray container mounts one; the serving
-    head gives a projected token to its autoscaler sidecar alone. No Role comes from the project."""
+def test_an_api_token_is_mounted_only_into_the_autoscaler_and_the_promotion_controller(overlay: str) -> None:
+    """No Ray pod automounts a service-account token; the serving head gives a projected token to
+    its autoscaler sidecar, and the promotion group's container alone mounts one, under its own
+    account, whose Role allows get and patch of the one RayService and nothing else."""
     for o in of_kind(overlay, "RayService", "RayJob"):
         for where, _, g in ray_groups(o):
             pod = g["template"]["spec"]
             assert pod.get("automountServiceAccountToken") is False, where
+            promoter = o["kind"] == "RayService" and g.get("groupName") == "promotion"
+            assert (pod["serviceAccountName"] == "raystack-promoter") is promoter, where
             for c in pod["containers"]:
-                assert SA_TOKEN_PATH not in {m["mountPath"] for m in c.get("volumeMounts", [])}, where
+                assert (SA_TOKEN_PATH in {m["mountPath"] for m in c.get("volumeMounts", [])}) is promoter, where
     (rs,) = of_kind(overlay, "RayService")
     cs = cluster_spec(rs)
     mounts = {m["mountPath"]: m["name"] for m in cs["autoscalerOptions"]["volumeMounts"]}
@@ -76,7 +79,20 @@ def test_an_api_token_is_mounted_only_into_the_autoscaler(overlay: str) -> None:
     assert any("serviceAccountToken" in s for s in sources)
     for sa in of_kind(overlay, "ServiceAccount"):
         assert sa.get("automountServiceAccountToken") is False, sa["metadata"]["name"]
-    assert not of_kind(overlay, "Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding")
+    assert not of_kind(overlay, "ClusterRole", "ClusterRoleBinding")
+    (role,) = of_kind(overlay, "Role")
+    assert role["metadata"]["name"] == "raystack-promoter"
+    assert role["rules"] == [
+        {
+            "apiGroups": ["ray.io"],
+            "resources": ["rayservices"],
+            "resourceNames": ["raystack"],
+            "verbs": ["get", "patch"],
+        }
+    ]
+    (binding,) = of_kind(overlay, "RoleBinding")
+    assert binding["roleRef"]["name"] == "raystack-promoter"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "raystack-promoter", "namespace": "raystack"}]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -210,7 +226,7 @@ def test_the_engine_does_not_inherit_the_tenants_keys() -> None:
     cfg = load_config(REPO / "deployments" / "gpu-prod.yaml")
     key_envs = {t.key_env for t in cfg.auth.tenants if t.key_env}
     assert key_envs
-    for app in build_serve_config(cfg)["applications"][1:]:
+    for app in [a for a in build_serve_config(cfg)["applications"] if "spec" in a["args"]]:
         spec = EngineSpec.model_validate(app["args"]["spec"])
         env = engine_environ({**dict.fromkeys(key_envs, "sk-secret"), "PATH": "/usr/bin"}, spec)
         assert not key_envs & set(env) and env["PATH"] == "/usr/bin", app["name"]

@@ -1,4 +1,5 @@
-"""Promotion logic with a recording deployer (the real flow is in tests/e2e/test_promotion.py)."""
+"""The watch's figures and verdicts, the Serve config of a promotion step, the store's record and
+lock (decisions: tests/unit/test_controller.py; the real flow: tests/e2e/test_promotion.py)."""
 
 from __future__ import annotations
 
@@ -7,202 +8,100 @@ from pathlib import Path
 
 import pytest
 
-from serving.config import StackConfig, parse_config
-from serving.control.promotion import (
-    PromotionError,
-    SloPolicy,
-    VersionStats,
-    apply_routes,
-    compare,
-    parse_stats,
-    promote,
-    rollback,
-)
-from serving.control.serve_config import routing_user_config
-from serving.registry import CheckpointStore, hash_tree
+from serving.config import PromotionPolicy, load_config
+from serving.control.controller import with_live
+from serving.control.record import ControlStore, StoreLock
+from serving.control.serve_config import CONTROLLER_APP, build_serve_config
+from serving.control.watch import VersionStats, judge, parse_stats, percentile
 
 METRICS = """# HELP ray_raystack_requests_total x
 ray_raystack_requests_total{Component="a",model="calc",status_class="2xx",tenant="t",version="v1"} 90.0
 ray_raystack_requests_total{Component="b",model="calc",status_class="5xx",tenant="t",version="v1"} 10.0
 ray_raystack_requests_total{model="calc",status_class="2xx",tenant="t",version="v2"} 5.0
 ray_raystack_requests_total{model="other",status_class="2xx",tenant="t",version="v1"} 7.0
-ray_raystack_time_to_first_token_seconds_sum{model="calc",tenant="t",version="v1"} 2.0
+ray_raystack_time_to_first_token_seconds_bucket{model="calc",tenant="t",version="v1",le="0.1"} 30.0
+ray_raystack_time_to_first_token_seconds_bucket{model="calc",tenant="t",version="v1",le="0.5"} 38.0
+ray_raystack_time_to_first_token_seconds_bucket{model="calc",tenant="t",version="v1",le="+Inf"} 40.0
 ray_raystack_time_to_first_token_seconds_count{model="calc",tenant="t",version="v1"} 40.0
 """
+REPO = Path(__file__).resolve().parents[2]
 
 
-def test_parse_stats_per_version() -> None:
+def test_parse_stats_and_percentiles_from_the_buckets() -> None:
     s = parse_stats(METRICS, "calc")
     assert s["v1"].requests == 100 and s["v1"].errors == 10 and s["v1"].error_rate == 0.1
-    assert s["v1"].ttft == pytest.approx(0.05)
-    assert s["v2"].requests == 5 and s["v2"].ttft is None
+    assert s["v2"].requests == 5 and percentile(s["v2"], 0.5) is None
+    assert percentile(s["v1"], 0.5) == pytest.approx(0.1 * 20 / 30)  # linear inside the first bucket
+    assert percentile(s["v1"], 0.9) == pytest.approx(0.1 + 0.4 * (36 - 30) / 8)
+    assert percentile(s["v1"], 0.99) == 0.5  # in +Inf: the last finite bound
 
 
-def test_compare() -> None:
-    p = SloPolicy()
-    live = VersionStats(100, 1, 5.0, 100)
-    assert compare(live, VersionStats(50, 0, 2.0, 50), p) is None
-    assert "error rate" in (compare(live, VersionStats(50, 5, 2.0, 50), p) or "")
-    assert "TTFT" in (compare(live, VersionStats(50, 0, 50.0, 50), p) or "")
+def _stats(n: float, errors: float, ttft: float) -> VersionStats:
+    return VersionStats(n, errors, n, {0.05: n if ttft <= 0.05 else 0, 1.0: n if ttft <= 1 else 0, float("inf"): n})
 
 
-CFG = {
-    "auth": {"mode": "open"},
-    "checkpoint_root": "/ck",
-    "models": [{"name": "calc", "versions": [{"version": "v1"}], "gate": {"metric": "exact_match", "min": 0.9}}],
-}
+def test_judge_verdicts() -> None:
+    p = PromotionPolicy(min_requests=5)
+    fast, slow = _stats(50, 0, 0.04), _stats(50, 0, 0.8)
+    assert judge(fast, _stats(3, 0, 0.04), fast, p).action == "extend"
+    assert judge(fast, _stats(50, 5, 0.04), fast, p).action == "rollback"
+    bad = judge(fast, slow, fast, p)
+    assert bad.action == "rollback" and "new version is slow" in bad.reason
+    held = judge(slow, slow, fast, p)  # both slow against the window before the canary
+    assert held.action == "hold" and "overload" in held.reason
+    assert judge(fast, fast, None, p).action == "pass"
+    assert set(bad.figures) >= {"new_ttft_p50", "live_ttft_p95", "new_error_rate", "new_requests"}
 
 
-class Recorder:
-    """A deployer that records the weights of every config it is given."""
-
-    def __init__(self, fail_on: str | None = None, errors_for_new: int = 0) -> None:
-        self.applied: list[list[tuple[str, int]]] = []
-        self.fail_on, self.errors_for_new, self.calls = fail_on, errors_for_new, 0
-
-    def apply(self, cfg: StackConfig) -> None:
-        routes = routing_user_config(cfg)["models"][0]["versions"]
-        self.applied.append([(v["version"], v["weight"]) for v in routes])
-
-    def wait_running(self, apps: list[str], timeout_s: float) -> None:
-        if self.fail_on and self.fail_on in apps[0]:
-            raise RuntimeError(f"application {apps[0]} failed: DEPLOY_FAILED")
-
-    def metrics_text(self) -> str:
-        self.calls += 1
-        n = self.calls * 20
-        bad = self.errors_for_new * self.calls
-        return (
-            f'ray_raystack_requests_total{{model="calc",status_class="2xx",version="v1"}} {n}\n'
-            f'ray_raystack_requests_total{{model="calc",status_class="2xx",version="v2"}} {n}\n'
-            f'ray_raystack_requests_total{{model="calc",status_class="5xx",version="v2"}} {bad}\n'
-        )
-
-
-def _store(tmp: Path, score: float) -> CheckpointStore:
-    d = tmp / "calc" / "v2"
-    d.mkdir(parents=True)
-    (d / "config.json").write_text("{}")
-    manifest = {
-        "model": "calc",
-        "version": "v2",
-        "eval": {"metrics": {"exact_match": score}, "n": 100},
-        "files": hash_tree(d),
-        "created_at": "2026-11-30T00:00:00Z",
-    }
-    (d / "manifest.json").write_text(json.dumps(manifest))
-    return CheckpointStore(str(tmp))
-
-
-def _run(tmp_path: Path, deployer: Recorder, score: float = 0.99) -> object:
-    cfg = parse_config(CFG)
-    return promote(
-        cfg,
-        "calc",
-        "v2",
-        store=_store(tmp_path / "ck", score),
-        deployer=deployer,
-        routes_file=tmp_path / "routes.json",
-        base_url="http://127.0.0.1:1",
-        policy=SloPolicy(step_seconds=0, warmup_requests=0, drain_seconds=0),
-        sleep=lambda s: None,
-        log=lambda m: None,
-    )
-
-
-def test_successful_promotion_steps_and_routes_file(tmp_path: Path) -> None:
-    d = Recorder()
-    r = _run(tmp_path, d)
-    assert r.status == "promoted", r.log
-    assert d.applied == [
-        [("v1", 100), ("v2", 0)],
-        [("v1", 90), ("v2", 10)],
-        [("v1", 50), ("v2", 50)],
-        [("v1", 0), ("v2", 100)],
-        [("v2", 100), ("v1", 0)],
-        [("v2", 100)],
-    ]
-    assert json.loads((tmp_path / "routes.json").read_text()) == {"calc": [{"version": "v2", "weight": 100}]}
-    live = apply_routes(parse_config(CFG), tmp_path / "routes.json")
-    assert live.model("calc").live_version == "v2"
-
-
-def test_slo_breach_rolls_back(tmp_path: Path) -> None:
-    d = Recorder(errors_for_new=10)
-    r = _run(tmp_path, d)
-    assert r.status == "rolled_back" and "error rate" in r.reason
-    assert d.applied[-1] == [("v1", 100)]
-
-
-def test_failed_deploy_rolls_back(tmp_path: Path) -> None:
-    d = Recorder(fail_on="calc--v2")
-    r = _run(tmp_path, d)
-    assert r.status == "rolled_back" and "DEPLOY_FAILED" in r.reason
-    assert d.applied == [[("v1", 100), ("v2", 0)], [("v1", 100)]]
-
-
-def test_below_gate_and_tampered_are_refused_before_any_deploy(tmp_path: Path) -> None:
-    d = Recorder()
-    assert _run(tmp_path / "a", d, score=0.5).status == "refused" and d.applied == []
-    store = _store(tmp_path / "b", 0.99)
-    (tmp_path / "b" / "calc" / "v2" / "config.json").write_text('{"tampered": 1}')
-    r = promote(
-        parse_config(CFG),
-        "calc",
-        "v2",
-        store=store,
-        deployer=d,
-        routes_file=tmp_path / "r.json",
-        base_url="x",
-        sleep=lambda s: None,
-        log=lambda m: None,
-    )
-    assert r.status == "refused" and "config.json" in r.reason and d.applied == []
-
-
-def test_manual_rollback_and_refusals(tmp_path: Path) -> None:
-    cfg = parse_config(
-        {
-            **CFG,
-            "models": [
-                {"name": "calc", "versions": [{"version": "v1", "weight": 90}, {"version": "v2", "weight": 10}]}
-            ],
-        }
-    )
-    d = Recorder()
-    assert rollback(cfg, "calc", d, tmp_path / "r.json") == "v1"
-    assert d.applied == [[("v1", 100)]]
-    with pytest.raises(PromotionError):
-        rollback(cfg, "calc", d, tmp_path / "r.json", to="v7")
-    with pytest.raises(PromotionError):
-        promote(
-            cfg,
-            "calc",
-            "v2",
-            store=CheckpointStore(str(tmp_path)),
-            deployer=d,
-            routes_file=tmp_path / "r.json",
-            base_url="x",
-        )
-
-
-def test_a_promotion_step_changes_only_the_gateways_user_config() -> None:
-    """Serve restarts a deployment whose app args change; the gateway must only be reconfigured.
-    (Found by the promotion e2e: a default ``600`` became ``600.0`` after re-validation, Serve
-    rebuilt the gateway app, and with one gateway replica the port refused connections meanwhile.)"""
-    from serving.config import load_config
-    from serving.control.promotion import _with_versions
-    from serving.control.serve_config import build_serve_config
-
-    cfg = load_config(Path(__file__).resolve().parents[2] / "deployments" / "local.yaml")
-    model = cfg.models[0]
-    step = _with_versions(cfg, model.name, [(v.version, v.weight) for v in model.versions] + [("v9", 0)])
-    before, after = build_serve_config(cfg), build_serve_config(step)
+def test_a_step_changes_only_the_gateways_user_config_and_never_the_controller() -> None:
+    """Serve restarts a deployment whose app args change; a step must only reconfigure the gateway
+    and leave the controller application exactly as it is (it is the one applying the step)."""
+    seed = load_config(REPO / "deployments" / "local.yaml")
+    model = seed.models[0]
+    step = with_live(seed, {model.name: [(v.version, 100 - 10) for v in model.versions] + [("v9", 10)]})
+    before, after = build_serve_config(seed, seed=seed), build_serve_config(step, seed=seed)
     strip = lambda app: json.dumps({k: v for k, v in app.items() if k != "deployments"}, sort_keys=True)  # noqa: E731
     assert strip(before["applications"][0]) == strip(after["applications"][0])  # gateway app args
     gw_before = {k: v for k, v in before["applications"][0]["deployments"][0].items() if k != "user_config"}
     gw_after = {k: v for k, v in after["applications"][0]["deployments"][0].items() if k != "user_config"}
     assert json.dumps(gw_before, sort_keys=True) == json.dumps(gw_after, sort_keys=True)
     later = {a["name"]: a for a in after["applications"]}
-    for a in before["applications"][1:]:  # the versions already deployed stay exactly as they are
+    for a in before["applications"][1:]:  # deployed versions and the controller stay as they are
         assert json.dumps(a, sort_keys=True) == json.dumps(later[a["name"]], sort_keys=True)
+    assert later[CONTROLLER_APP]["args"]["config"] == seed.model_dump(mode="json")
+
+
+def test_the_controllers_args_round_trip_unchanged() -> None:
+    """The replica validates its args and builds every step's config with them as the seed: the
+    controller app in that config must equal the one it was deployed with."""
+    from serving.config import StackConfig
+
+    seed = load_config(REPO / "deployments" / "local.yaml")
+    app = {a["name"]: a for a in build_serve_config(seed, seed=seed)["applications"]}[CONTROLLER_APP]
+    again = StackConfig.model_validate(app["args"]["config"])
+    rebuilt = {a["name"]: a for a in build_serve_config(again, seed=again)["applications"]}[CONTROLLER_APP]
+    assert json.dumps(app, sort_keys=True) == json.dumps(rebuilt, sort_keys=True)
+
+
+def test_record_of_live_versions_keeps_other_models(tmp_path: Path) -> None:
+    c = ControlStore(str(tmp_path), "s")
+    c.set_live("a", [("v1", 90), ("v2", 10)])
+    c.set_live("b", [("v3", 100)])
+    c.set_live("a", [("v2", 100)])
+    assert {m: [(v.version, v.weight) for v in vs] for m, vs in c.live().items()} == {
+        "a": [("v2", 100)],
+        "b": [("v3", 100)],
+    }
+
+
+def test_lock_on_an_object_store_is_write_then_read_back(s3_bucket: str) -> None:
+    """s3 has no flock: the later writer of an expired lease wins, the earlier sees it lost."""
+    c = ControlStore(f"s3://{s3_bucket}/ck", "s")
+    t = [100.0]
+    blue = StoreLock(c, "blue", 30, clock=lambda: t[0], settle_s=0)
+    green = StoreLock(c, "green", 30, clock=lambda: t[0], settle_s=0)
+    assert blue.acquire() and not green.acquire()
+    t[0] += 31
+    assert green.acquire() and not blue.held() and not blue.acquire()
+    green.release()
+    assert blue.acquire()

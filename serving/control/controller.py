@@ -1,0 +1,331 @@
+"""The promotion controller's decisions: one :meth:`Controller.tick` reads the store, advances each
+model's promotion by at most one step, and records every step before it applies it.
+
+A promotion of ``model@new`` beside ``model@live`` goes::
+
+    deploying   new at 0 % beside live; wait until its app is RUNNING, then warm it
+    stepping    new at steps[i] %, watched for step_seconds (serving.control.watch) and
+                online-evaluated once (a score below the manifest's rolls back, whatever the
+                traffic); pass -> next step; extend/hold -> watched longer (up to
+                max_step_extensions times, then rolled back); rollback -> live alone again
+    finishing   new at 100 %, live at 0 % for drain_seconds; then live removed -> promoted
+
+Every applied config is built from the CURRENT record of live versions (``live.json``) over the
+stack config, never from a snapshot taken when the promotion started, so promotions of different
+models never undo each other. One promotion per model at a time.
+
+Restart rule: a controller that starts and finds an active promotion resumes it. Its step was
+recorded (in ``live.json`` and the record) before it was applied, so the first thing the new
+controller does is apply the record again (a no-op if it already serves); a ``stepping`` promotion
+restarts its step's watch window from that moment (the old window's scrape baseline may predate a
+metrics reset), ``deploying`` waits for the app again and ``finishing`` completes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from serving.config import ModelConfig, ModelVersion, PromotionPolicy, StackConfig
+from serving.control.record import ControlStore, PromotionRecord, PromotionRequest, StepRecord, StoreLock
+from serving.control.serve_config import app_name
+from serving.control.watch import Verdict, VersionStats, judge, merge
+from serving.registry import CheckpointStore, Manifest, RegistryError, _natural_key
+
+__all__ = ["Applier", "Controller", "Prober", "with_live"]
+
+log = logging.getLogger("raystack.promotion")
+
+
+class Applier(Protocol):
+    """Where a config takes effect: Serve locally, the RayService on Kubernetes."""
+
+    def apply(self, cfg: StackConfig) -> None: ...
+
+    def app_status(self, app: str) -> tuple[str, str]: ...  # (status, message)
+
+    def metrics_texts(self) -> list[str]: ...
+
+
+class Prober(Protocol):
+    """Requests to ``model@version`` through the gateway."""
+
+    def warm(self, model: str, version: str, n: int, pooling: bool = False) -> None: ...
+
+    def online_eval(self, model: str, version: str, manifest: Manifest, n: int) -> float | None: ...
+
+
+def with_live(cfg: StackConfig, live: dict[str, list[tuple[str, int]]]) -> StackConfig:
+    """The stack config with the recorded live versions and weights of each model applied."""
+    models = []
+    for m in cfg.models:
+        if m.name in live:
+            known = {v.version: v for v in m.versions}
+            versions = [
+                known[v].model_copy(update={"weight": w}) if v in known else ModelVersion(version=v, weight=w)
+                for v, w in live[m.name]
+            ]
+            m = m.model_copy(update={"versions": versions})
+        models.append(m.model_dump())
+    return StackConfig.model_validate({**cfg.model_dump(), "models": models})
+
+
+class Controller:
+    """See the module docstring. ``seed`` is the stack config as written (YAML)."""
+
+    def __init__(
+        self,
+        seed: StackConfig,
+        store: CheckpointStore,
+        control: ControlStore,
+        lock: StoreLock,
+        applier: Applier,
+        prober: Prober,
+        clock: Callable[[], float] = time.time,
+        observe: Callable[[str, dict[str, int], str], None] = lambda model, weights, phase: None,
+    ) -> None:
+        self.seed, self.store, self.control, self.lock = seed, store, control, lock
+        self.applier, self.prober, self.clock, self.observe = applier, prober, clock, observe
+        self._resumed: set[str] = set()
+        self._active = False
+
+    # -- the record -----------------------------------------------------------------------------
+
+    def live(self) -> dict[str, list[tuple[str, int]]]:
+        recorded = {m: [(v.version, v.weight) for v in vs] for m, vs in self.control.live().items()}
+        return {m.name: recorded.get(m.name) or [(v.version, v.weight) for v in m.versions] for m in self.seed.models}
+
+    def current(self) -> StackConfig:
+        return with_live(self.seed, self.live())
+
+    def _set(self, model: str, versions: list[tuple[str, int]]) -> None:
+        """Record, then apply the whole current config (every model as recorded now)."""
+        self.control.set_live(model, versions)
+        self.applier.apply(self.current())
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def tick(self) -> str:
+        """One pass; returns ``active`` or ``standby`` (another controller holds the lock)."""
+        if not self.lock.acquire():
+            self._active = False
+            return "standby"
+        if not self._active:  # just became the active controller: make what serves the record
+            recorded = self.control.live()
+            for m in self.seed.models:
+                if m.name not in recorded:
+                    self.control.set_live(m.name, [(v.version, v.weight) for v in m.versions])
+            self.applier.apply(self.current())
+            self._resumed.clear()
+            self._active = True
+        for m in self.current().models:
+            try:
+                self._tick_model(m)
+            except Exception as exc:  # one model's trouble must not stop the others' promotions
+                log.exception("promotion tick of %s failed: %s", m.name, exc)
+        if getattr(self.applier, "reconcile_each_poll", False):  # undo an apply of a stale config
+            self.applier.apply(self.current())
+        return "active"
+
+    def _tick_model(self, m: ModelConfig) -> None:
+        request = self.control.take_request(m.name)
+        rec = self.control.active(m.name)
+        if request is not None:
+            rec = self._handle(m, request, rec)
+        elif rec is None and m.promotion.mode == "auto":
+            candidate = self._candidate(m)
+            if candidate:
+                rec = self._start(m, candidate, "auto", {})
+        if rec is not None and rec.active:
+            if rec.id not in self._resumed:
+                self._resume(rec)
+            self._advance(m, rec)
+        weights = {v.version: v.weight for v in m.versions}
+        self.observe(m.name, weights, rec.status if rec is not None and rec.active else "idle")
+
+    def _candidate(self, m: ModelConfig) -> str | None:
+        """The newest version in the store, newer than the live one and never tried."""
+        tried = self.control.tried(m.name) | {v.version for v in m.versions}
+        live_key = _natural_key(m.live_version)
+        newer = [v for v in self.store.list_versions(m.name) if _natural_key(v) > live_key and v not in tried]
+        return newer[-1] if newer else None
+
+    def _handle(self, m: ModelConfig, req: PromotionRequest, rec: PromotionRecord | None) -> PromotionRecord | None:
+        if req.action == "promote" and req.version:
+            if rec is not None:
+                self._refuse(m, req.version, f"{m.name}@{rec.version} is being promoted; one at a time")
+                return rec
+            return self._start(m, req.version, "manual", req.overrides)
+        if rec is not None:  # abort, or rollback during a promotion: the previous version alone
+            why = "aborted by serving promote --abort" if req.action == "abort" else "rolled back by serving rollback"
+            self._rollback(rec, why, "aborted" if req.action == "abort" else "rolled_back")
+            return rec
+        if req.action == "rollback" and len(m.versions) > 1:
+            keep = req.version or m.live_version
+            self._set(m.name, [(keep, 100)])
+            _decision(m.name, keep, "rollback", f"serving rollback: {keep} alone", {})
+        return None
+
+    # -- a promotion ----------------------------------------------------------------------------
+
+    def _refuse(self, m: ModelConfig, version: str, reason: str) -> PromotionRecord:
+        now = self.clock()
+        rec = PromotionRecord(
+            id=f"{now:.3f}-{version}", model=m.name, version=version, previous=m.live_version,
+            source="manual", status="refused", reason=reason, created_at=now, updated_at=now,
+        )  # fmt: skip
+        rec.steps.append(StepRecord(at=now, phase="refused", note=reason))
+        self.control.save(rec)
+        _decision(m.name, version, "refused", reason, {})
+        return rec
+
+    def _start(self, m: ModelConfig, version: str, source: str, overrides: dict[str, Any]) -> PromotionRecord:
+        now, live = self.clock(), m.live_version
+        policy = PromotionPolicy.model_validate({**m.promotion.model_dump(), **overrides})
+        if m.version(version) is not None:
+            return self._refuse(m, version, f"{m.name}@{version} is already deployed")
+        try:
+            manifest = self.store.verify(m.name, version, m.gate)
+        except RegistryError as exc:
+            rec = self._refuse(m, version, f"refused: {exc}")
+            rec.source = "auto" if source == "auto" else "manual"
+            self.control.save(rec)
+            return rec
+        rec = PromotionRecord(
+            id=f"{now:.3f}-{version}", model=m.name, version=version, previous=live,
+            source="auto" if source == "auto" else "manual", policy=policy.model_dump(mode="json"),
+            created_at=now, updated_at=now, baseline={"before": self._snapshot(m.name)},
+        )  # fmt: skip
+        self._resumed.add(rec.id)
+        scores = {k: v for k, v in (manifest.eval.metrics.items() if manifest.eval else [])}
+        self._step(rec, "deploy", {live: 100, version: 0}, scores, f"verified {len(manifest.files)} files")
+        return rec
+
+    def _step(self, rec: PromotionRecord, phase: str, weights: dict[str, int], fig: dict[str, Any], note: str) -> None:
+        """Record a step (the record, then ``live.json``), then apply it."""
+        rec.steps.append(StepRecord(at=self.clock(), phase=phase, weights=weights, figures=fig, note=note))
+        self.control.save(rec)
+        _decision(rec.model, rec.version, phase, note, fig)
+        if weights:
+            self._set(rec.model, list(weights.items()))
+
+    def _rollback(
+        self, rec: PromotionRecord, reason: str, status: str = "rolled_back", fig: dict[str, Any] | None = None
+    ) -> None:
+        rec.status = "aborted" if status == "aborted" else "rolled_back"
+        rec.reason = reason
+        self._step(rec, "rollback", {rec.previous: 100}, fig or {}, reason)
+
+    def _resume(self, rec: PromotionRecord) -> None:
+        """A promotion this controller did not start (it restarted): restart the step's window."""
+        self._resumed.add(rec.id)
+        if rec.status == "stepping":
+            rec.step_started_at, rec.extensions = self.clock(), 0
+            rec.baseline["start"] = self._snapshot(rec.model)
+            rec.steps.append(StepRecord(at=self.clock(), phase="resume", note="controller restarted: step re-watched"))
+            self.control.save(rec)
+            _decision(rec.model, rec.version, "resume", "controller restarted: step re-watched", {})
+
+    def _snapshot(self, model: str) -> dict[str, Any]:
+        return {v: s.to_json() for v, s in merge(self.applier.metrics_texts(), model).items()}
+
+    def _advance(self, m: ModelConfig, rec: PromotionRecord) -> None:
+        policy = PromotionPolicy.model_validate(rec.policy)
+        if rec.status == "deploying":
+            self._deploying(rec, policy)
+        elif rec.status == "stepping":
+            self._stepping(rec, policy)
+        elif rec.status == "finishing" and self.clock() - rec.steps[-1].at >= policy.drain_seconds:
+            rec.status = "promoted"
+            note = f"promoted; {rec.previous} drained and removed"
+            self._step(rec, "promoted", {rec.version: 100}, {}, note)
+
+    def _deploying(self, rec: PromotionRecord, policy: PromotionPolicy) -> None:
+        status, message = self.applier.app_status(app_name(rec.model, rec.version))
+        if status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            return self._rollback(rec, f"{app_name(rec.model, rec.version)} {status}: {message[-600:]}")
+        if status != "RUNNING":
+            if self.clock() - rec.created_at > policy.deploy_timeout_s:
+                self._rollback(rec, f"not RUNNING after {policy.deploy_timeout_s:.0f}s ({status})")
+            return None
+        try:
+            pooling = any(m.name == rec.model and m.engine.runner == "pooling" for m in self.seed.models)
+            self.prober.warm(rec.model, rec.version, policy.warmup_requests, pooling)
+        except Exception as exc:
+            return self._rollback(rec, f"warm-up failed: {exc}")
+        rec.baseline["live_window"] = self._window(rec, "before").get(rec.previous, VersionStats()).to_json()
+        self._go(rec, policy, 0)
+        return None
+
+    def _go(self, rec: PromotionRecord, policy: PromotionPolicy, i: int) -> None:
+        weight = policy.steps[i]
+        rec.status, rec.step_index, rec.extensions = "stepping", i, 0
+        rec.step_started_at = self.clock()
+        rec.baseline["start"] = self._snapshot(rec.model)
+        self._step(rec, "step", {rec.previous: 100 - weight, rec.version: weight}, {}, f"{weight}% to {rec.version}")
+
+    def _window(self, rec: PromotionRecord, key: str) -> dict[str, VersionStats]:
+        now = merge(self.applier.metrics_texts(), rec.model)
+        before = {v: VersionStats.from_json(s) for v, s in rec.baseline.get(key, {}).items()}
+        return {v: s.minus(before.get(v, VersionStats())) for v, s in now.items()}
+
+    def _stepping(self, rec: PromotionRecord, policy: PromotionPolicy) -> None:
+        if self.clock() - rec.step_started_at < policy.step_seconds * (1 + rec.extensions):
+            return
+        window = self._window(rec, "start")
+        base = rec.baseline.get("live_window")
+        verdict = judge(
+            window.get(rec.previous, VersionStats()),
+            window.get(rec.version, VersionStats()),
+            VersionStats.from_json(base) if base else None,
+            policy,
+        )
+        if verdict.action != "rollback" and rec.baseline.get("evaluated_step") != rec.step_index:
+            # once per step, whatever the traffic: the eval prompts are the controller's own
+            rec.baseline["evaluated_step"] = rec.step_index
+            evaluated = self._online_eval(rec, policy, verdict)
+            if evaluated.action == "rollback" or verdict.action == "pass":
+                verdict = evaluated
+        self._decide(rec, policy, verdict)
+
+    def _online_eval(self, rec: PromotionRecord, policy: PromotionPolicy, verdict: Verdict) -> Verdict:
+        oe = policy.online_eval
+        if oe.samples == 0:
+            return verdict
+        manifest = self.store.manifest(rec.model, rec.version)
+        claimed = manifest.eval.value(oe.metric) if manifest.eval else None
+        score = self.prober.online_eval(rec.model, rec.version, manifest, oe.samples)
+        fig = {**verdict.figures, "online_score": score, "manifest_score": claimed}
+        if score is None or claimed is None:
+            return Verdict("pass", verdict.reason + "; no online eval (no eval rows or no score)", fig)
+        if score < claimed - oe.margin:
+            why = f"online eval: {oe.metric} {score:.3f} on {oe.samples} held-out prompts vs manifest {claimed:.3f}"
+            return Verdict("rollback", f"{why} (margin {oe.margin})", fig)
+        return Verdict("pass", f"{verdict.reason}; online {oe.metric} {score:.3f} vs manifest {claimed:.3f}", fig)
+
+    def _decide(self, rec: PromotionRecord, policy: PromotionPolicy, v: Verdict) -> None:
+        weight = policy.steps[rec.step_index]
+        if v.action == "rollback":
+            return self._rollback(rec, f"at {weight}%: {v.reason}", fig=v.figures)
+        if v.action in ("extend", "hold"):
+            if rec.extensions >= policy.max_step_extensions:
+                why = f"at {weight}%: {v.reason}, after {rec.extensions} extensions"
+                return self._rollback(rec, why, fig=v.figures)
+            rec.extensions += 1
+            return self._step(rec, v.action, {}, v.figures, f"at {weight}%: {v.reason}")
+        rec.steps.append(StepRecord(at=self.clock(), phase="passed", figures=v.figures, note=f"{weight}%: {v.reason}"))
+        _decision(rec.model, rec.version, "passed", f"{weight}%: {v.reason}", v.figures)
+        if rec.step_index + 1 < len(policy.steps):
+            return self._go(rec, policy, rec.step_index + 1)
+        rec.status = "finishing"
+        self._step(rec, "finish", {rec.version: 100, rec.previous: 0}, {}, f"draining {rec.previous}")
+        return None
+
+
+def _decision(model: str, version: str, phase: str, note: str, figures: dict[str, Any]) -> None:
+    """One structured log line per decision (figures only: no prompt or answer text)."""
+    line = {"event": "promotion", "model": model, "version": version, "phase": phase, "note": note, **figures}
+    log.info(json.dumps(line, default=str))

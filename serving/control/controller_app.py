@@ -1,0 +1,220 @@
+"""The promotion controller as a Ray Serve application (``promotion-controller``, one replica).
+
+Why a Serve application rather than a detached actor: it is declared in the same Serve config as
+every other app, so ``serving up`` deploys it and KubeRay deploys it from ``serveConfigV2`` with
+no extra step, on a new cluster too (blue/green); Serve restarts its replica when it dies or fails
+its health check (the loop thread stopped); and its args (the stack config as written, never the
+live versions) do not change when a step is applied, so applying a step never restarts it.
+Exactly one replica per cluster; across clusters the store lock (``serving.control.record``)
+leaves only one of them active.
+
+Each poll the replica runs :meth:`Controller.tick`. Locally a step is applied through Serve's own
+controller (what ``serve deploy`` and the dashboard call); on Kubernetes as a patch of the
+RayService's ``serveConfigV2`` (:mod:`serving.control.k8s_apply`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import httpx
+from ray import serve
+
+from serving.config import StackConfig
+from serving.control.controller import Controller
+from serving.control.record import ControlStore, StoreLock
+from serving.control.serve_config import build_serve_config
+from serving.registry import CheckpointStore, Manifest
+
+__all__ = ["HttpProber", "PromotionController", "ServeApplier", "build_controller"]
+
+logger = logging.getLogger("raystack.promotion")
+
+
+class ServeApplier:
+    """Applies configs to the Serve instance this replica runs in; reads every node's metrics."""
+
+    def __init__(self, seed: StackConfig, base: Path | None) -> None:
+        self.seed, self.base = seed, base
+
+    @staticmethod
+    def _client() -> Any:
+        from ray.serve.context import _get_global_client
+
+        client = _get_global_client()
+        if client is None:
+            raise RuntimeError("no Serve controller to talk to")
+        return client
+
+    def apply(self, cfg: StackConfig) -> None:
+        from ray.serve.schema import ServeDeploySchema
+
+        config = build_serve_config(cfg, self.base, seed=self.seed)
+        self._client().deploy_apps(ServeDeploySchema.model_validate(config))
+
+    def app_status(self, app: str) -> tuple[str, str]:
+        details = self._client().get_serve_details().get("applications", {}).get(app)
+        if details is None:
+            return "MISSING", ""
+        messages = [str(details.get("message", ""))] + [
+            str(d.get("message", "")) for d in details.get("deployments", {}).values()
+        ]
+        status = details.get("status")
+        return str(getattr(status, "value", status)), "\n".join(m for m in messages if m)
+
+    def metrics_texts(self) -> list[str]:
+        import ray
+
+        texts = []
+        for node in ray.nodes():
+            if not node.get("Alive") or not node.get("MetricsExportPort"):
+                continue
+            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            try:
+                texts.append(httpx.get(url, timeout=10).text)
+            except httpx.HTTPError as exc:  # a node that does not answer is missing from this window
+                logger.warning("metrics of %s not read: %s", url, exc)
+        return texts
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+class HttpProber:
+    """Warm-up and online-eval requests to ``model@version`` through the gateway."""
+
+    def __init__(self, base_url: str, headers: dict[str, str]) -> None:
+        self.base_url, self.headers = base_url.rstrip("/"), headers
+
+    def warm(self, model: str, version: str, n: int, pooling: bool = False, first_within_s: float = 30) -> None:
+        """``n`` requests (embeddings for a pooling model) that must all answer 200; the first may
+        wait ``first_within_s`` for the gateways to learn the new app's replicas (its RUNNING can
+        precede that)."""
+        path, body = "/v1/completions", {"model": f"{model}@{version}", "prompt": "1+1=", "max_tokens": 2}
+        if pooling:
+            path, body = "/v1/embeddings", {"model": f"{model}@{version}", "input": "1+1="}
+        deadline = time.monotonic() + first_within_s
+        for i in range(n):
+            while True:
+                r = httpx.post(f"{self.base_url}{path}", json=body, headers=self.headers, timeout=120)
+                if r.status_code == 200:
+                    break
+                if i > 0 or time.monotonic() > deadline:
+                    raise RuntimeError(f"warm-up request answered {r.status_code}")
+                time.sleep(2)
+
+    def online_eval(self, model: str, version: str, manifest: Manifest, n: int) -> float | None:
+        """Exact match on a random sample of the manifest's eval rows, greedy, answers compared
+        whitespace-insensitively with the reference (as the training job scores them)."""
+        uri = manifest.eval.data.uri if manifest.eval and manifest.eval.data else None
+        if not uri or "#" in uri:
+            return None
+        try:
+            with fsspec.open(uri, "rb") as fh:
+                rows = [json.loads(line) for line in fh.read().decode().splitlines() if line.strip()]
+        except (OSError, ValueError) as exc:
+            logger.warning("online eval of %s@%s: eval rows at %s not read: %s", model, version, uri, exc)
+            return None
+        rows = random.Random(time.time_ns()).sample(rows, min(n, len(rows)))
+        hits = [self._ask(f"{model}@{version}", row) for row in rows]
+        scored = [h for h in hits if h is not None]
+        return sum(scored) / len(scored) if scored else None
+
+    def _ask(self, model: str, row: dict[str, Any]) -> bool | None:
+        if "prompt" in row and "completion" in row:
+            body = {"model": model, "prompt": row["prompt"], "max_tokens": 32, "temperature": 0}
+            r = httpx.post(f"{self.base_url}/v1/completions", json=body, headers=self.headers, timeout=120)
+            text = r.json()["choices"][0]["text"] if r.status_code == 200 else None
+            return None if text is None else _normalise(text) == _normalise(str(row["completion"]))
+        messages = row.get("messages") or []
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+        if last < 0 or not isinstance(messages[last].get("content"), str):
+            return None  # tool-call answers are not scored online
+        body = {"model": model, "messages": messages[:last], "max_tokens": 32, "temperature": 0}
+        r = httpx.post(f"{self.base_url}/v1/chat/completions", json=body, headers=self.headers, timeout=120)
+        if r.status_code != 200:
+            return None
+        answer = r.json()["choices"][0]["message"].get("content") or ""
+        return _normalise(answer) == _normalise(messages[last]["content"])
+
+
+def _store_root(cfg: StackConfig, base: Path | None) -> str:
+    root = cfg.checkpoint_root
+    if "://" not in root and not Path(root).is_absolute() and base is not None:
+        root = str((base / root).resolve())
+    return root
+
+
+def build_controller(cfg: StackConfig, base: Path | None, observe: Any = None) -> Controller:
+    """The controller of a stack, wired for the cluster it runs in."""
+    import os
+
+    root = _store_root(cfg, base)
+    control = ControlStore(root, cfg.name)
+    holder = f"{socket.gethostname()}:{os.getpid()}"
+    lock = StoreLock(control, holder, cfg.controller.lock_ttl_s)
+    if cfg.controller.target == "kubernetes":
+        from serving.control.k8s_apply import RayServiceApplier
+
+        applier: Any = RayServiceApplier(cfg, ServeApplier(cfg, base))
+    else:
+        applier = ServeApplier(cfg, base)
+    host = cfg.gateway.host if cfg.gateway.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    url = cfg.controller.gateway_url or f"http://{host}:{cfg.gateway.port}"
+    key_env = cfg.controller.client_key_env
+    headers = {"authorization": f"Bearer {os.environ[key_env]}"} if key_env and os.environ.get(key_env) else {}
+    kwargs = {"observe": observe} if observe else {}
+    return Controller(cfg, CheckpointStore(root), control, lock, applier, HttpProber(url, headers), **kwargs)
+
+
+class PromotionController:
+    """One replica: a thread that runs :meth:`Controller.tick` every ``controller.poll_s``."""
+
+    def __init__(self, config: dict[str, Any], base: str | None) -> None:
+        from serving.metrics import ControllerMetrics
+
+        self.cfg = StackConfig.model_validate(config)
+        # decisions go to the replica's own log file, beside Serve's lines
+        logger.setLevel(logging.INFO)
+        for handler in logging.getLogger("ray.serve").handlers:
+            logger.addHandler(handler)
+        self.metrics = ControllerMetrics()
+        self.controller = build_controller(self.cfg, Path(base) if base else None, self.metrics.observe)
+        self.state = "starting"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="promotion-controller", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.state = self.controller.tick()
+            except Exception:  # a store or Serve hiccup: the next poll tries again
+                logger.exception("promotion controller tick failed")
+            self.metrics.active(self.state == "active")
+            self._stop.wait(self.cfg.controller.poll_s)
+
+    def check_health(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("the promotion controller's loop stopped")
+
+    async def __call__(self, request: Any) -> dict[str, Any]:
+        return {"state": self.state}
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+
+def build_promotion_controller(args: dict[str, Any]) -> Any:
+    """``import_path`` target of the ``promotion-controller`` application."""
+    deployment = serve.deployment(name="PromotionController", max_ongoing_requests=4)(PromotionController)
+    return deployment.bind(args["config"], args.get("base"))

@@ -1,0 +1,253 @@
+"""The promotion controller's durable state, kept in the checkpoint store beside the checkpoints.
+
+Why the store: it is the one place that outlives a controller replica, a head restart and a
+blue/green cluster replacement, and that the training job, ``serving up``, ``serving render-k8s``
+and every cluster of a stack can all reach (a local path, a PVC or an ``s3://`` bucket)::
+
+    <root>/.control/<stack>/live.json                   live versions and weights of every model
+    <root>/.control/<stack>/lock.json                   the active controller's lease
+    <root>/.control/<stack>/requests/<model>.json       a CLI request waiting for the controller
+    <root>/.control/<stack>/promotions/<model>/<id>.json one record per promotion, steps appended
+
+``live.json`` is what serves: each step is written there (and into the promotion's record) before
+it is applied, so whatever reads it (a restarted controller, ``serving up``) applies the step that
+was in progress, never an older one. Every file is replaced whole (write, then read back).
+
+The lock is a lease: ``{holder, token, expires_at}``. A controller takes it when it is absent,
+expired or its own, renews it every poll and checks it before every write; a controller that sees
+another holder's unexpired lease only watches. The compare-and-set runs under an ``flock`` on a
+local (or NFS) store; on an object store, which has no lock primitive through fsspec, it is write
+then read back after a settle delay (the later writer wins and the earlier sees it lost).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ACTIVE",
+    "ControlStore",
+    "LiveVersion",
+    "PromotionRecord",
+    "PromotionRequest",
+    "StepRecord",
+    "StoreLock",
+]
+
+Status = Literal["deploying", "stepping", "finishing", "promoted", "rolled_back", "refused", "aborted"]
+ACTIVE: frozenset[str] = frozenset({"deploying", "stepping", "finishing"})
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LiveVersion(_Doc):
+    version: str
+    weight: int = Field(ge=0, le=100)
+
+
+class StepRecord(_Doc):
+    """One decision of a promotion: what was applied or judged, with its figures."""
+
+    at: float
+    phase: str  # deploy | warm | step | extend | hold | eval | finish | promoted | rollback | refused
+    weights: dict[str, int] = {}
+    figures: dict[str, float | None] = {}
+    note: str = ""
+
+
+class PromotionRecord(_Doc):
+    id: str
+    model: str
+    version: str
+    previous: str
+    source: Literal["auto", "manual"]
+    status: Status = "deploying"
+    step_index: int = -1  # index into the policy's steps; -1 = not yet taking traffic
+    step_started_at: float = 0.0
+    extensions: int = 0
+    baseline: dict[str, Any] = {}  # metric totals at the start of the step being watched
+    policy: dict[str, Any] = {}
+    reason: str = ""
+    created_at: float
+    updated_at: float
+    steps: list[StepRecord] = []
+
+    @property
+    def active(self) -> bool:
+        return self.status in ACTIVE
+
+
+class PromotionRequest(_Doc):
+    action: Literal["promote", "abort", "rollback"]
+    version: str | None = None
+    overrides: dict[str, Any] = {}
+    at: float
+
+
+class ControlStore:
+    """Read and write the controller's files under ``<root>/.control/<stack>``."""
+
+    def __init__(self, root: str, stack: str) -> None:
+        self.root, self.stack = root, stack
+        self.fs, path = fsspec.core.url_to_fs(root)
+        self.base = f"{path.rstrip('/')}/.control/{stack}"
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def _read(self, rel: str) -> bytes | None:
+        self.fs.invalidate_cache()
+        try:
+            return bytes(self.fs.cat_file(f"{self.base}/{rel}"))
+        except FileNotFoundError:
+            return None
+
+    def _write(self, rel: str, data: bytes) -> None:
+        path = f"{self.base}/{rel}"
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        if self.is_local:  # whole or nothing: a reader never sees half a file
+            tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        else:
+            self.fs.pipe_file(path, data)
+
+    def _delete(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(f"{self.base}/{rel}")
+
+    # -- live versions ------------------------------------------------------------------------
+
+    def live(self) -> dict[str, list[LiveVersion]]:
+        raw = self._read("live.json")
+        if raw is None:
+            return {}
+        data: dict[str, dict[str, list[dict[str, Any]]]] = json.loads(raw)
+        return {m: [LiveVersion.model_validate(v) for v in vs] for m, vs in data["models"].items()}
+
+    def set_live(self, model: str, versions: list[tuple[str, int]]) -> None:
+        """Record ``model``'s versions and weights, keeping every other model's as they are now."""
+        current = {m: [v.model_dump() for v in vs] for m, vs in self.live().items()}
+        current[model] = [{"version": v, "weight": w} for v, w in versions]
+        self._write("live.json", json.dumps({"models": current}, indent=2).encode())
+
+    # -- promotions ---------------------------------------------------------------------------
+
+    def save(self, record: PromotionRecord) -> None:
+        record.updated_at = time.time()
+        self._write(f"promotions/{record.model}/{record.id}.json", record.model_dump_json(indent=2).encode())
+
+    def history(self, model: str) -> list[PromotionRecord]:
+        """Every promotion of ``model``, oldest first."""
+        self.fs.invalidate_cache()
+        folder = f"{self.base}/promotions/{model}"
+        if not self.fs.isdir(folder):
+            return []
+        records = []
+        for path in self.fs.ls(folder, detail=False):
+            if path.endswith(".json"):
+                records.append(PromotionRecord.model_validate_json(bytes(self.fs.cat_file(path))))
+        return sorted(records, key=lambda r: r.created_at)
+
+    def active(self, model: str) -> PromotionRecord | None:
+        return next((r for r in reversed(self.history(model)) if r.active), None)
+
+    def tried(self, model: str) -> set[str]:
+        """Versions a promotion of ``model`` has already started or refused (auto mode skips them)."""
+        return {r.version for r in self.history(model)}
+
+    def models_with_history(self) -> list[str]:
+        folder = f"{self.base}/promotions"
+        self.fs.invalidate_cache()
+        if not self.fs.isdir(folder):
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(folder, detail=False))
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def submit(self, model: str, request: PromotionRequest) -> None:
+        self._write(f"requests/{model}.json", request.model_dump_json().encode())
+
+    def take_request(self, model: str) -> PromotionRequest | None:
+        raw = self._read(f"requests/{model}.json")
+        if raw is None:
+            return None
+        self._delete(f"requests/{model}.json")
+        return PromotionRequest.model_validate_json(raw)
+
+    def pending_request(self, model: str) -> PromotionRequest | None:
+        raw = self._read(f"requests/{model}.json")
+        return None if raw is None else PromotionRequest.model_validate_json(raw)
+
+    # -- lock primitives (used by StoreLock) ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def _mutex(self) -> Iterator[None]:
+        if not self.is_local:
+            yield
+            return
+        os.makedirs(self.base, exist_ok=True)
+        with open(f"{self.base}/lock.flock", "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def read_lock(self) -> dict[str, Any] | None:
+        raw = self._read("lock.json")
+        return None if raw is None else dict(json.loads(raw))
+
+
+class StoreLock:
+    """The lease that makes one controller of a stack active (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: ControlStore,
+        holder: str,
+        ttl_s: float,
+        clock: Callable[[], float] = time.time,
+        settle_s: float = 1.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.store, self.holder, self.ttl_s = store, holder, ttl_s
+        self.clock, self.settle_s, self.sleep = clock, settle_s, sleep
+        self.token = secrets.token_hex(8)
+
+    def acquire(self) -> bool:
+        """Take or renew the lease; False if another holder's lease has not expired."""
+        with self.store._mutex():
+            now = self.clock()
+            current = self.store.read_lock()
+            if current and current.get("token") != self.token and float(current.get("expires_at", 0)) > now:
+                return False
+            body = {"holder": self.holder, "token": self.token, "expires_at": now + self.ttl_s}
+            self.store._write("lock.json", json.dumps(body).encode())
+        if not self.store.is_local:  # no mutex: the last writer wins, so look again
+            self.sleep(self.settle_s)
+        return self.held()
+
+    def held(self) -> bool:
+        current = self.store.read_lock()
+        return bool(current and current.get("token") == self.token and float(current["expires_at"]) > self.clock())
+
+    def release(self) -> None:
+        with self.store._mutex():
+            if self.held():
+                self.store._delete("lock.json")

@@ -1,0 +1,156 @@
+"""The canary's judge: the new version against the live one over the same window.
+
+Figures come from the gateway's own Prometheus metrics (``raystack_requests_total`` by status
+class and the ``raystack_time_to_first_token_seconds`` histogram, per model and version, summed
+over tenants and gateway replicas). A window is the difference of two scrapes. Percentiles are
+read from the histogram buckets (linear within a bucket, as Prometheus' ``histogram_quantile``).
+
+The verdicts, in order:
+
+- ``extend``: the new version answered fewer than ``min_requests`` in the window: too little to
+  judge, the step is watched longer (never passed).
+- ``rollback``: its error rate exceeds the live one's by more than ``max_error_rate_increase``,
+  or one of its TTFT percentiles exceeds the live one's times ``max_ttft_ratio`` plus
+  ``ttft_slack_s``: the new version is worse than the live one under the same load.
+- ``hold``: both versions are slow: the live version's own TTFT percentiles exceed its baseline
+  (the window before the canary took traffic) by the same limit while the new one stays within
+  its limit of the live: the machine is overloaded, not the model bad; the step is extended.
+- ``pass``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from serving.config import PromotionPolicy
+from serving.metrics import samples
+
+__all__ = ["Verdict", "VersionStats", "judge", "parse_stats", "percentile"]
+
+
+@dataclass
+class VersionStats:
+    requests: float = 0.0
+    errors: float = 0.0
+    ttft_count: float = 0.0
+    buckets: dict[float, float] = field(default_factory=dict)  # upper bound -> cumulative count
+
+    def minus(self, other: VersionStats) -> VersionStats:
+        return VersionStats(
+            max(0.0, self.requests - other.requests),
+            max(0.0, self.errors - other.errors),
+            max(0.0, self.ttft_count - other.ttft_count),
+            {le: max(0.0, c - other.buckets.get(le, 0.0)) for le, c in self.buckets.items()},
+        )
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"requests": self.requests, "errors": self.errors, "ttft_count": self.ttft_count,
+                "buckets": {repr(k): v for k, v in self.buckets.items()}}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> VersionStats:
+        b = {float(k): float(v) for k, v in d.get("buckets", {}).items()}
+        return cls(float(d.get("requests", 0)), float(d.get("errors", 0)), float(d.get("ttft_count", 0)), b)
+
+
+def parse_stats(text: str, model: str) -> dict[str, VersionStats]:
+    """Per-version totals of one model from a Prometheus exposition (Ray's exporter prefixes ``ray_``)."""
+    out: dict[str, VersionStats] = {}
+    for name, labels, value in samples(text, "raystack_"):
+        if labels.get("model") != model or "version" not in labels:
+            continue
+        s = out.setdefault(labels["version"], VersionStats())
+        base = name.removeprefix("ray_")
+        if base in ("raystack_requests_total", "raystack_requests"):
+            s.requests += value
+            if labels.get("status_class") == "5xx":
+                s.errors += value
+        elif base == "raystack_time_to_first_token_seconds_count":
+            s.ttft_count += value
+        elif base == "raystack_time_to_first_token_seconds_bucket" and "le" in labels:
+            le = math.inf if labels["le"] in ("+Inf", "inf") else float(labels["le"])
+            s.buckets[le] = s.buckets.get(le, 0.0) + value
+    return out
+
+
+def merge(texts: list[str], model: str) -> dict[str, VersionStats]:
+    """:func:`parse_stats` summed over several expositions (one per node)."""
+    total: dict[str, VersionStats] = {}
+    for text in texts:
+        for v, s in parse_stats(text, model).items():
+            t = total.setdefault(v, VersionStats())
+            t.requests += s.requests
+            t.errors += s.errors
+            t.ttft_count += s.ttft_count
+            for le, c in s.buckets.items():
+                t.buckets[le] = t.buckets.get(le, 0.0) + c
+    return total
+
+
+def percentile(s: VersionStats, q: float) -> float | None:
+    """The ``q`` quantile of the TTFT histogram (None without observations)."""
+    bounds = sorted(s.buckets)
+    total = s.buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le in bounds:
+        count = s.buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower  # beyond the last finite bucket: its bound is all we know
+            inside = count - below
+            return lower + (le - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = le, count
+    return lower
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: Literal["pass", "extend", "hold", "rollback"]
+    reason: str
+    figures: dict[str, float | None]
+
+
+def _limit(live: float, p: PromotionPolicy) -> float:
+    return live * p.max_ttft_ratio + p.ttft_slack_s
+
+
+def judge(live: VersionStats, new: VersionStats, baseline: VersionStats | None, p: PromotionPolicy) -> Verdict:
+    """The verdict on one window (module docstring); ``baseline`` is the live version's window
+    before the canary took traffic (None if it saw none)."""
+    fig: dict[str, float | None] = {
+        "new_requests": new.requests,
+        "live_requests": live.requests,
+        "new_error_rate": round(new.error_rate, 4),
+        "live_error_rate": round(live.error_rate, 4),
+    }
+    for q in p.ttft_percentiles:
+        tag = f"p{round(q * 100)}"
+        fig[f"new_ttft_{tag}"] = percentile(new, q)
+        fig[f"live_ttft_{tag}"] = percentile(live, q)
+        fig[f"baseline_ttft_{tag}"] = percentile(baseline, q) if baseline else None
+    if new.requests < p.min_requests:
+        return Verdict("extend", f"{new.requests:.0f} requests to the new version, fewer than {p.min_requests}", fig)
+    if new.error_rate > live.error_rate + p.max_error_rate_increase:
+        return Verdict("rollback", f"error rate {new.error_rate:.1%} vs live {live.error_rate:.1%}", fig)
+    overloaded = []
+    for q in p.ttft_percentiles:
+        tag = f"p{round(q * 100)}"
+        n, lv, b = fig[f"new_ttft_{tag}"], fig[f"live_ttft_{tag}"], fig[f"baseline_ttft_{tag}"]
+        if n is None or lv is None:
+            continue
+        if n > _limit(lv, p):
+            ms = f"{n * 1000:.0f} ms vs live {lv * 1000:.0f} ms (limit {_limit(lv, p) * 1000:.0f} ms)"
+            return Verdict("rollback", f"TTFT {tag} {ms}: the new version is slow", fig)
+        if b is not None and lv > _limit(b, p):
+            overloaded.append(f"{tag} live {lv * 1000:.0f} ms vs {b * 1000:.0f} ms before the canary")
+    if overloaded:
+        return Verdict("hold", "both versions slow (overload, not the model): " + ", ".join(overloaded), fig)
+    return Verdict("pass", "within the limits", fig)
