@@ -57,7 +57,8 @@ class ServeApplier:
     def apply(self, cfg: StackConfig) -> None:
         from ray.serve.schema import ServeDeploySchema
 
-        config = build_serve_config(cfg, self.base, seed=self.seed)
+        # the manifests' creation times, as `serving up` deploys them (what /v1/models shows)
+        config = build_serve_config(cfg, self.base, read_manifests=True, seed=self.seed)
         self._client().deploy_apps(ServeDeploySchema.model_validate(config))
 
     def app_status(self, app: str) -> tuple[str, str]:

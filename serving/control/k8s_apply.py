@@ -43,16 +43,18 @@ def validate_serve_config(config: dict[str, Any]) -> None:
     ServeDeploySchema.model_validate(config)
 
 
-def serve_config_v2(cfg: StackConfig, seed: StackConfig) -> str:
-    """The ``serveConfigV2`` string for ``cfg`` (live versions applied) of the stack ``seed``."""
-    config = build_serve_config(cfg, base=None, seed=seed)
+def serve_config_v2(cfg: StackConfig, seed: StackConfig, read_manifests: bool = False) -> str:
+    """The ``serveConfigV2`` string for ``cfg`` (live versions applied) of the stack ``seed``;
+    ``read_manifests``: each version's ``created`` from its manifest (the controller, which reaches
+    the store, does; an offline render does not)."""
+    config = build_serve_config(cfg, base=None, read_manifests=read_manifests, seed=seed)
     validate_serve_config(config)
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def patch_document(cfg: StackConfig, seed: StackConfig) -> dict[str, Any]:
+def patch_document(cfg: StackConfig, seed: StackConfig, read_manifests: bool = False) -> dict[str, Any]:
     """The JSON merge patch of the RayService that applies ``cfg``."""
-    return {"spec": {"serveConfigV2": serve_config_v2(cfg, seed)}}
+    return {"spec": {"serveConfigV2": serve_config_v2(cfg, seed, read_manifests)}}
 
 
 class RayServiceApplier:
@@ -84,7 +86,7 @@ class RayServiceApplier:
         )
 
     def apply(self, cfg: StackConfig) -> None:
-        patch = patch_document(cfg, self.seed)
+        patch = patch_document(cfg, self.seed, read_manifests=True)
         with self._client() as client:
             current = client.get(self.url)
             current.raise_for_status()
