@@ -25,6 +25,7 @@ from typing import Any, Literal
 import msgspec
 
 from serving.errors import ErrorShape, InvalidRequest
+from serving.gateway.protocol import decode_body, type_name
 
 __all__ = ["AgentKind", "AgentRequest", "EventTap", "parse_agent_request"]
 
@@ -37,12 +38,6 @@ _USAGE_EVENTS = {
     "responses": (b"response.completed", b"response.incomplete", b"response.failed"),
     "messages": (b"message_start", b"message_delta"),
 }
-
-
-def _type_name(v: object) -> str:
-    return {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object"}.get(
-        type(v), type(v).__name__
-    )
 
 
 class EventTap:
@@ -166,7 +161,7 @@ def _require(body: dict[str, Any], key: str, types: tuple[type, ...], what: str)
     if v is None:
         raise InvalidRequest(f"'{key}' is a required property", param=key)
     if isinstance(v, bool) or not isinstance(v, types) or (isinstance(v, (str, list)) and not v):
-        raise InvalidRequest(f"'{key}' must be {what}, not {_type_name(v)}", param=key)
+        raise InvalidRequest(f"'{key}' must be {what}, not {type_name(v)}", param=key)
 
 
 def _check(kind: AgentKind, body: dict[str, Any]) -> None:
@@ -176,7 +171,7 @@ def _check(kind: AgentKind, body: dict[str, Any]) -> None:
             raise InvalidRequest(f"'{key}' must be a positive integer", param=key)
     v = body.get("stream")
     if v is not None and not isinstance(v, bool):
-        raise InvalidRequest(f"'stream' must be a boolean, not {_type_name(v)}", param="stream")
+        raise InvalidRequest(f"'stream' must be a boolean, not {type_name(v)}", param="stream")
     if kind == "responses":
         _require(body, "input", (str, list), "a non-empty string or array of items")
         if body.get("background"):
@@ -199,16 +194,6 @@ def _check(kind: AgentKind, body: dict[str, Any]) -> None:
 
 def parse_agent_request(raw: bytes, kind: AgentKind) -> AgentRequest:
     """Parse and check a request body of one of these APIs; raise :class:`InvalidRequest`."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise InvalidRequest("The request body is nested too deeply.") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest(f"'model' must be a string, not {_type_name(model)}", param="model")
+    body, model = decode_body(raw)
     _check(kind, body)
     return AgentRequest(kind=kind, body=body, raw=raw, model=model, stream=bool(body.get("stream", False)))

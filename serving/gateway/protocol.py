@@ -20,8 +20,10 @@ __all__ = [
     "ParsedRequest",
     "StreamTap",
     "Tap",
+    "decode_body",
     "normalize_upstream_error",
     "parse_request",
+    "type_name",
     "usage_of",
 ]
 
@@ -252,7 +254,7 @@ def usage_of(body: bytes) -> dict[str, Any] | None:
     return u if isinstance(u, dict) else None
 
 
-def _type_name(v: object) -> str:
+def type_name(v: object) -> str:
     return {
         str: "string",
         bool: "boolean",
@@ -268,7 +270,7 @@ def _check_types(body: dict[str, Any]) -> None:
     for key in _INT_FIELDS:
         v = body.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise InvalidRequest(f"'{key}' must be an integer, not {_type_name(v)}", param=key)
+            raise InvalidRequest(f"'{key}' must be an integer, not {type_name(v)}", param=key)
     for key in ("max_tokens", "max_completion_tokens", "n"):
         v = body.get(key)
         if v is not None and v < 1:
@@ -276,11 +278,11 @@ def _check_types(body: dict[str, Any]) -> None:
     for key in _NUM_FIELDS:
         v = body.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise InvalidRequest(f"'{key}' must be a number, not {_type_name(v)}", param=key)
+            raise InvalidRequest(f"'{key}' must be a number, not {type_name(v)}", param=key)
     for key in ("stream",):
         v = body.get(key)
         if v is not None and not isinstance(v, bool):
-            raise InvalidRequest(f"'{key}' must be a boolean, not {_type_name(v)}", param=key)
+            raise InvalidRequest(f"'{key}' must be a boolean, not {type_name(v)}", param=key)
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise InvalidRequest("'stream_options' must be an object", param="stream_options")
@@ -290,7 +292,7 @@ def _check_messages(messages: object) -> None:
     if messages is None:
         raise InvalidRequest("'messages' is a required property", param="messages")
     if not isinstance(messages, list):
-        raise InvalidRequest(f"'messages' must be an array, not {_type_name(messages)}", param="messages")
+        raise InvalidRequest(f"'messages' must be an array, not {type_name(messages)}", param="messages")
     if not messages:
         raise InvalidRequest("'messages' must contain at least one message", param="messages")
     for i, m in enumerate(messages):
@@ -341,8 +343,9 @@ def _check_input(body: dict[str, Any]) -> None:
         raise InvalidRequest("'stream' is not supported for embeddings", param="stream")
 
 
-def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
-    """Parse and check a chat, completion or embeddings request body; raise :class:`InvalidRequest`."""
+def decode_body(raw: bytes) -> tuple[dict[str, Any], str | None]:
+    """A request body as a JSON object and its ``model`` (a string or absent), whatever the API;
+    raise :class:`InvalidRequest` otherwise."""
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
@@ -353,7 +356,13 @@ def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
         raise InvalidRequest("The request body must be a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise InvalidRequest(f"'model' must be a string, not {_type_name(model)}", param="model")
+        raise InvalidRequest(f"'model' must be a string, not {type_name(model)}", param="model")
+    return body, model
+
+
+def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
+    """Parse and check a chat, completion or embeddings request body; raise :class:`InvalidRequest`."""
+    body, model = decode_body(raw)
     _check_types(body)
     if kind == "chat":
         _check_messages(body.get("messages"))
