@@ -25,7 +25,7 @@ from typing import Any, Literal
 import msgspec
 
 from serving.errors import ErrorShape, InvalidRequest
-from serving.gateway.protocol import decode_body, type_name
+from serving.gateway.protocol import decode_body, type_name, whole_events
 
 __all__ = ["AgentKind", "AgentRequest", "EventTap", "parse_agent_request"]
 
@@ -56,12 +56,9 @@ class EventTap:
         self.response: dict[str, Any] | None = None  # the Responses stream's final response object
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._buf + chunk if self._buf else chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self._buf = data
+        out, self._buf = whole_events(self._buf, chunk)
+        if not out:
             return b""
-        out, self._buf = data[: cut + 2], data[cut + 2 :]
         if b'"usage"' in out:
             for ev in out.split(b"\n\n"):
                 self._read(ev)

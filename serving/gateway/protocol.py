@@ -25,6 +25,7 @@ __all__ = [
     "parse_request",
     "type_name",
     "usage_of",
+    "whole_events",
 ]
 
 
@@ -199,12 +200,9 @@ class StreamTap:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._buf + chunk if self._buf else chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self._buf = data
+        out, self._buf = whole_events(self._buf, chunk)
+        if not out:
             return b""
-        out, self._buf = data[: cut + 2], data[cut + 2 :]
         return self._take_usage(out) if _USAGE in out else out
 
     def flush(self) -> bytes:
@@ -341,6 +339,16 @@ def _check_input(body: dict[str, Any]) -> None:
         )
     if body.get("stream"):
         raise InvalidRequest("'stream' is not supported for embeddings", param="stream")
+
+
+def whole_events(buf: bytes, chunk: bytes) -> tuple[bytes, bytes]:
+    """The complete SSE events of ``buf + chunk`` (each ending in its blank line), and the rest: a
+    stream's bytes are released at event boundaries, however the network cut them."""
+    data = buf + chunk if buf else chunk
+    cut = data.rfind(b"\n\n")
+    if cut < 0:
+        return b"", data
+    return data[: cut + 2], data[cut + 2 :]
 
 
 def decode_body(raw: bytes) -> tuple[dict[str, Any], str | None]:

@@ -12,6 +12,7 @@ import msgspec
 
 from serving.errors import GatewayError, UpstreamError, sse_error_event
 from serving.gateway.migration import Choice, Chunk, Delta, Plan, Resume, decode_chunk, null_ids, server_error
+from serving.gateway.protocol import whole_events
 from serving.gateway.relay import Observer, UpstreamResult
 
 logger = logging.getLogger("serving.gateway")
@@ -58,13 +59,10 @@ class Splice:
         return bool(self._held)
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._buf + chunk if self._buf else chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self._buf = data
+        events, self._buf = whole_events(self._buf, chunk)
+        if not events:
             return b""
-        events, self._buf = data[:cut], data[cut + 2 :]
-        out = b"".join(e + b"\n\n" for e in map(self._event, events.split(b"\n\n")) if e)
+        out = b"".join(e + b"\n\n" for e in map(self._event, events[:-2].split(b"\n\n")) if e)
         return self.exchange.feed(out) if out else b""
 
     def flush(self) -> bytes:
