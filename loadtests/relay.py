@@ -108,7 +108,9 @@ class OneReplica:
         self.url = url
         self.released: list[bool] = []
 
-    async def lease(self, app: str, hint: object, timeout_s: float, limit: int = 0) -> FixedLease:
+    async def lease(
+        self, app: str, hint: object, timeout_s: float, limit: int = 0, loaded_first: bool = True
+    ) -> FixedLease:
         return FixedLease(self.url, self.released)
 
     async def ready(self, app: str, timeout_s: float) -> bool:

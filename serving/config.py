@@ -26,6 +26,7 @@ __all__ = [
     "PromotionPolicy",
     "DeploymentOptions",
     "EngineConfig",
+    "LoraSlots",
     "GatewayConfig",
     "KubernetesConfig",
     "LocalRayConfig",
@@ -142,6 +143,7 @@ class AutoscalingConfig(_Strict):
 
 
 RouterName = Literal["power_of_two", "prefix_affinity", "session_affinity"]
+AdapterRouting = Literal["loaded_first", "power_of_two"]
 
 
 class DeploymentOptions(_Strict):
@@ -182,7 +184,11 @@ class TrainRecipe(_Strict):
     )
     data: str = Field(description="Training JSONL (path or fsspec URI), or builtin:<task> (generated).")
     eval: str | None = Field(None, description="Evaluation JSONL; default: the held-out half of builtin:<task>.")
-    method: Literal["full"] = Field("full", description="full: every weight is trained.")
+    method: Literal["full", "lora"] = Field(
+        "full",
+        description="full: every weight is trained; lora: a peft adapter of `base` (a store `model@version`), "
+        "for a model entry with `base` set.",
+    )
     steps: int | None = Field(None, ge=1, description="Optimizer steps; default: the job's default for the base.")
     seed: int = Field(0, description="Data order and initialisation seed.")
 
@@ -258,12 +264,52 @@ class PromotionPolicy(_Strict):
         return v
 
 
+# the ranks vLLM's --max-lora-rank accepts
+LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+
+
+class LoraSlots(_Strict):
+    """A base model's LoRA settings: vLLM start-time flags, fixed when the base is deployed, so
+    that adding or promoting an adapter later restarts nothing (docs/adapters.md)."""
+
+    max_loras: int = Field(2, ge=1, le=64, description="Adapters in one batch (vLLM --max-loras).")
+    max_cpu_loras: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="Adapters registered on one replica at once, kept in its CPU-side cache (vLLM "
+        "--max-cpu-loras); the least recently used one is unregistered to make room.",
+    )
+    max_lora_rank: LoraRank = Field(16, description="Largest adapter rank served (vLLM --max-lora-rank).")
+
+    @model_validator(mode="after")
+    def _cache(self) -> LoraSlots:
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be at least max_loras")
+        return self
+
+
 class ModelConfig(_Strict):
-    """One model: its versions (one Serve deployment each), aliases, engine and deployment options."""
+    """One model: its versions (one Serve deployment each), aliases, engine and deployment options.
+    With ``base`` set, a LoRA adapter of that model: its versions are registered on the base's
+    replicas (no deployment of their own), and ``engine``/``deployment``/``lora`` are the base's."""
 
     name: str = Field(description="Model id clients send in `model`.")
     aliases: list[str] = Field(default_factory=list, description="Other names that route to this model.")
     versions: list[ModelVersion] = Field(min_length=1, description="Deployed versions and their weights.")
+    base: str | None = Field(
+        None,
+        description="Adapter: the model whose replicas serve it. Each version runs on the base version its "
+        "manifest names (the one it was trained on), registered as `name@version`.",
+    )
+    adapter_routing: AdapterRouting = Field(
+        "loaded_first",
+        description="Adapter only. loaded_first: a base replica that holds the adapter, then the one with the "
+        "fewest adapters; power_of_two: any base replica (Serve's router), registering it there if needed.",
+    )
+    lora: LoraSlots | None = Field(
+        None, description="Base only: LoRA slots of its replicas; default {} when an adapter names it."
+    )
     engine: EngineConfig = Field(EngineConfig(), description="vLLM engine arguments.")
     deployment: DeploymentOptions = Field(DeploymentOptions(), description="Ray Serve options.")
     gate: Gate | None = Field(
@@ -278,6 +324,21 @@ class ModelConfig(_Strict):
         return _check_name(v)
 
     @model_validator(mode="after")
+    def _adapter(self) -> ModelConfig:
+        if self.base is None:
+            if any(v.recipe and v.recipe.method == "lora" for v in self.versions):
+                raise ValueError("a recipe with method lora belongs to an adapter entry (set base)")
+            return self
+        # compared with the defaults, not by which fields were set: a dumped config validates again
+        theirs = [k for k, v in (("engine", EngineConfig()), ("deployment", DeploymentOptions()), ("lora", None))
+                  if getattr(self, k) != v]  # fmt: skip
+        if theirs:
+            raise ValueError(f"an adapter has its base's {theirs}: set them on {self.base!r}")
+        if any(v.recipe and v.recipe.method != "lora" for v in self.versions):
+            raise ValueError("an adapter's recipes train with method lora")
+        return self
+
+    @model_validator(mode="after")
     def _weights(self) -> ModelConfig:
         names = [v.version for v in self.versions]
         if len(set(names)) != len(names):
@@ -288,6 +349,10 @@ class ModelConfig(_Strict):
 
     def version(self, version: str) -> ModelVersion | None:
         return next((v for v in self.versions if v.version == version), None)
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.base is not None
 
     @property
     def live_version(self) -> str:
@@ -589,6 +654,11 @@ class StackConfig(_Strict):
             unknown = [m for m in t.models if m != "*" and seen.get(m) != m]
             if unknown:
                 raise ValueError(f"tenant {t.name!r} allows unknown models {unknown}")
+        by_name = {m.name: m for m in self.models}
+        for m in self.models:
+            base = by_name.get(m.base) if m.base else None
+            if m.base and (base is None or base.is_adapter or base.engine.runner != "generate"):
+                raise ValueError(f"adapter {m.name!r}: its base {m.base!r} must be a generating model of this config")
         return self
 
     def model(self, name: str) -> ModelConfig:
@@ -596,6 +666,15 @@ class StackConfig(_Strict):
             if m.name == name:
                 return m
         raise KeyError(name)
+
+    def lora_slots(self, model: ModelConfig) -> LoraSlots | None:
+        """A base's LoRA settings: its ``lora``, else the defaults when an adapter names it."""
+        if model.lora is not None:
+            return model.lora
+        return LoraSlots() if any(m.base == model.name for m in self.models) else None
+
+    def adapters_of(self, model: ModelConfig) -> list[ModelConfig]:
+        return [m for m in self.models if m.base == model.name]
 
     def version_path(self, model: ModelConfig, version: ModelVersion, base: Path | None) -> str:
         """Where a version's weights live; relative paths are taken from the config file's folder."""

@@ -59,10 +59,12 @@ except ImportError:  # pragma: no cover - tests/unit/test_gateway_listener.py fa
 class LeaseHint:
     """What request routers may look at. ``prompt`` is set only for prefix-affinity routing
     (ray.serve.llm's PrefixCacheAffinityRouter reads ``.prompt``); ``session_id`` for session
-    affinity."""
+    affinity; ``adapter`` (``name@version``) for a request to a LoRA adapter, which the replica
+    registers with its engine before it yields its endpoint."""
 
     prompt: str | None = None
     session_id: str | None = None
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,8 @@ class RayKV:
 @dataclass(frozen=True)
 class Record:
     """One replica's endpoint. ``seq`` counts its heartbeats (only a change matters to readers);
-    ``state`` is ``up``, or ``hung`` when the replica found its engine making no progress."""
+    ``state`` is ``up``, or ``hung`` when the replica found its engine making no progress;
+    ``adapters``: the LoRA adapters registered with its engine now (``name@version``)."""
 
     app: str
     replica: str
@@ -118,14 +121,18 @@ class Record:
     token: str
     seq: int
     state: str = UP
+    adapters: frozenset[str] = frozenset()
 
 
 def _key(app: str, replica: str) -> str:
     return f"{PREFIX}{app}/{replica}"
 
 
-def publish(kv: KV, app: str, replica: str, url: str, token: str, seq: int, state: str = UP) -> None:
-    kv.put(_key(app, replica), json.dumps({"url": url, "token": token, "seq": seq, "state": state}).encode())
+def publish(
+    kv: KV, app: str, replica: str, url: str, token: str, seq: int, state: str = UP, adapters: tuple[str, ...] = ()
+) -> None:
+    record = {"url": url, "token": token, "seq": seq, "state": state, "adapters": list(adapters)}
+    kv.put(_key(app, replica), json.dumps(record).encode())
 
 
 def withdraw(kv: KV, app: str, replica: str) -> None:
@@ -138,7 +145,10 @@ def read_records(kv: KV) -> list[Record]:
         app, _, replica = key.removeprefix(PREFIX).partition("/")
         try:
             v = json.loads(raw)
-            out.append(Record(app, replica, str(v["url"]), str(v["token"]), int(v["seq"]), str(v.get("state", UP))))
+            adapters = frozenset(str(a) for a in v.get("adapters", ()))
+            out.append(
+                Record(app, replica, str(v["url"]), str(v["token"]), int(v["seq"]), str(v.get("state", UP)), adapters)
+            )
         except (ValueError, KeyError, TypeError):
             logger.warning("ignoring an unreadable endpoint record %s", key)
     return out

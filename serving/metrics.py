@@ -14,7 +14,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["ControllerMetrics", "EngineMetrics", "GatewayMetrics", "parse_prometheus_values", "samples"]
+__all__ = [
+    "AdapterMetrics",
+    "ControllerMetrics",
+    "EngineMetrics",
+    "GatewayMetrics",
+    "parse_prometheus_values",
+    "samples",
+]
 
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2, 5, 10, 30, 60]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2]
@@ -107,6 +114,31 @@ class EngineMetrics:
         for name, value in values.items():
             if name in self.FIELDS:  # the scrape carries more (progress counters) than is exported
                 self.gauges[self.FIELDS[name]].set(value, tags=tags)
+
+
+class AdapterMetrics:
+    """A base replica's LoRA registrations; ``adapter`` is a configured ``name@version``."""
+
+    def __init__(self) -> None:
+        from ray.util import metrics as m
+
+        keys = ("model", "version", "replica", "adapter")
+        self.loads = m.Counter(
+            "raystack_adapter_loads",
+            "Adapters registered with a replica's engine (fetched and verified).",
+            tag_keys=keys,
+        )
+        self.evictions = m.Counter(
+            "raystack_adapter_evictions", "Adapters unregistered from a replica's engine.", tag_keys=keys
+        )
+        self.leases = m.Counter(
+            "raystack_adapter_leases",
+            "Adapter requests leased to a replica: outcome hit (it held the adapter) or miss (it had to load it).",
+            tag_keys=(*keys, "outcome"),
+        )
+        self.registered = m.Gauge(
+            "raystack_adapters_registered", "Adapters registered with a replica's engine now.", tag_keys=keys[:3]
+        )
 
 
 PROMOTION_PHASES = ("idle", "deploying", "stepping", "finishing")

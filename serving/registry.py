@@ -58,6 +58,7 @@ __all__ = [
     "check_files",
     "check_name",
     "hash_tree",
+    "manifest_at",
     "sha256_file",
 ]
 
@@ -273,16 +274,21 @@ def check_files(manifest: Manifest, present: set[str], digest: Callable[[str], s
         )
 
 
-def created_at(version_dir: str) -> int:
-    """The Unix time a version's manifest says it was created (``<version_dir>/manifest.json``,
-    a local path or fsspec URI); 0 when there is no readable manifest (a version still to be
-    built, a store out of reach). What the gateway shows as a model's ``created``."""
+def manifest_at(version_dir: str) -> Manifest | None:
+    """The manifest of a version directory (a local path or fsspec URI); None when there is no
+    readable one (a version still to be built, a store out of reach)."""
     try:
         fs, path = fsspec.core.url_to_fs(version_dir)
-        raw = bytes(fs.cat_file(f"{path.rstrip('/')}/{MANIFEST}"))
-        return int(Manifest.model_validate_json(raw).created_at.timestamp())
-    except Exception:  # noqa: BLE001 - best effort: an unknown time is 0, never a failed deploy
-        return 0
+        return Manifest.model_validate_json(bytes(fs.cat_file(f"{path.rstrip('/')}/{MANIFEST}")))
+    except Exception:  # noqa: BLE001 - best effort: callers decide what an unknown manifest means
+        return None
+
+
+def created_at(version_dir: str) -> int:
+    """The Unix time a version's manifest says it was created; 0 when it has no readable
+    manifest (never a failed deploy). What the gateway shows as a model's ``created``."""
+    manifest = manifest_at(version_dir)
+    return int(manifest.created_at.timestamp()) if manifest else 0
 
 
 class CheckpointStore:

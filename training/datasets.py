@@ -255,14 +255,18 @@ def base_corpus(seed: int = 0) -> list[dict[str, Any]]:
     return [row for task in TASKS for row in generate(task, seed, "train")]
 
 
-def write_dataset(task: str, out: str | Path, seed: int = 0) -> tuple[Path, Path]:
-    """Write ``out/train.jsonl`` and ``out/eval.jsonl`` for ``task``; returns their paths."""
+def write_dataset(task: str, out: str | Path, seed: int = 0, kinds: Sequence[str] | None = None) -> tuple[Path, Path]:
+    """Write ``out/train.jsonl`` and ``out/eval.jsonl`` for ``task`` (only ``kinds`` when given);
+    returns their paths."""
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
+    for kind in kinds or ():
+        _check(task, kind)
     for split in ("train", "eval"):
         path = directory / f"{split}.jsonl"
-        lines = (json.dumps(row, ensure_ascii=False) for row in generate(task, seed, split))
+        n = {k: (EVAL_ROWS if split == "eval" else KINDS[task][k]) for k in kinds} if kinds else None
+        lines = (json.dumps(row, ensure_ascii=False) for row in generate(task, seed, split, n))
         path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         paths.append(path)
     return paths[0], paths[1]

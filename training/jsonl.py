@@ -218,19 +218,28 @@ def holdout(data: Dataset, seed: int, fraction: float = HOLDOUT_FRACTION) -> tup
     return part(train_rows, f"train-{tag}"), part(eval_rows, tag)
 
 
-def builtin_files(task: str, cache_dir: Path, seed: int) -> tuple[str, str]:
-    """Write (once) and return the train/eval JSONL paths of ``builtin:<task>`` for ``seed``."""
+def builtin_files(spec: str, cache_dir: Path, seed: int) -> tuple[str, str]:
+    """Write (once) and return the train/eval JSONL paths of ``builtin:<task>`` (every kind of
+    the task) or ``builtin:<task>:<kind>,<kind>`` (those kinds only) for ``seed``."""
     from training import dataset_kinds, datasets
 
+    task, _, kind_list = spec.partition(":")
+    kinds = [k for k in kind_list.split(",") if k]
     if task not in datasets.TASKS:
         raise DataError(f"unknown builtin task {task!r}; expected one of {', '.join(datasets.TASKS)}")
+    unknown = [k for k in kinds if k not in datasets.KINDS[task]]
+    if unknown:
+        raise DataError(
+            f"builtin task {task!r} has no kind {unknown}; expected some of {', '.join(datasets.KINDS[task])}"
+        )
     # keyed by the generator's source too: a changed generator must not reuse stale files
     code = b"".join(Path(m.__file__ or "").read_bytes() for m in (datasets, dataset_kinds))
-    directory = cache_dir / f"{task}-seed{seed}-{hashlib.sha256(code).hexdigest()[:12]}"
+    name = f"{task}-{'-'.join(kinds)}" if kinds else task
+    directory = cache_dir / f"{name}-seed{seed}-{hashlib.sha256(code).hexdigest()[:12]}"
     train, evals = directory / "train.jsonl", directory / "eval.jsonl"
     if not (train.is_file() and evals.is_file()):
         tmp = directory.with_name(f".tmp-{directory.name}-{random.getrandbits(32):08x}")
-        datasets.write_dataset(task, tmp, seed)
+        datasets.write_dataset(task, tmp, seed, kinds or None)
         directory.parent.mkdir(parents=True, exist_ok=True)
         try:
             tmp.rename(directory)

@@ -19,6 +19,12 @@ recorded (in ``live.json`` and the record) before it was applied, so the first t
 controller does is apply the record again (a no-op if it already serves); a ``stepping`` promotion
 restarts its step's watch window from that moment (the old window's scrape baseline may predate a
 metrics reset), ``deploying`` waits for the app again and ``finishing`` completes.
+
+Adapters: a LoRA adapter (a model with ``base``) is promoted like any model; its versions run on
+the base versions their manifests name, so "its app" is that base version's. A base version that
+a live adapter version (weight > 0) runs on is never removed: promoting the base leaves it at
+weight 0, serving only those adapters, and it is removed once no live adapter version needs it
+(their retrained versions on the new base were promoted).
 """
 
 from __future__ import annotations
@@ -91,6 +97,7 @@ class Controller:
         self.applier, self.prober, self.clock, self.observe = applier, prober, clock, observe
         self._resumed: set[str] = set()
         self._active = False
+        self._trained_on: dict[tuple[str, str], str] = {}  # (adapter, version) -> base version (manifests)
 
     # -- the record -----------------------------------------------------------------------------
 
@@ -126,9 +133,51 @@ class Controller:
                 self._tick_model(m)
             except Exception as exc:  # one model's trouble must not stop the others' promotions
                 log.exception("promotion tick of %s failed: %s", m.name, exc)
+        self._prune_bases()
         if getattr(self.applier, "reconcile_each_poll", False):  # undo an apply of a stale config
             self.applier.apply(self.current())
         return "active"
+
+    # -- adapters and their bases ---------------------------------------------------------------
+
+    def base_version(self, adapter: ModelConfig, version: str) -> str | None:
+        """The base version an adapter version was trained on (its manifest's ``base.ref``)."""
+        key = (adapter.name, version)
+        if key not in self._trained_on:
+            manifest = self.store.manifest(adapter.name, version)
+            ref = manifest.base.ref if manifest.base else ""
+            model, _, base_version = ref.partition("@")
+            if model != adapter.base or not base_version:
+                raise RegistryError(f"{adapter.name}@{version} is not an adapter of {adapter.base} (base {ref!r})")
+            self._trained_on[key] = base_version
+        return self._trained_on[key]
+
+    def _app(self, model: str, version: str) -> str:
+        m = self.seed.model(model)
+        if m.base is None:
+            return app_name(model, version)
+        return app_name(m.base, self.base_version(m, version) or "")
+
+    def _needed(self, cfg: StackConfig) -> dict[str, set[str]]:
+        """Base model -> the versions its live adapter versions (weight > 0) run on."""
+        out: dict[str, set[str]] = {}
+        for a in cfg.models:
+            for v in a.versions if a.base else ():
+                if v.weight > 0:
+                    out.setdefault(a.base or "", set()).add(self.base_version(a, v.version) or "")
+        return out
+
+    def _prune_bases(self) -> None:
+        """Remove base versions at weight 0 that no live adapter version runs on any more."""
+        cfg = self.current()
+        needed = self._needed(cfg)
+        for m in cfg.models:
+            if m.base is None and cfg.adapters_of(m):
+                rec = self.control.active(m.name)
+                idle = [v for v in m.versions if v.weight == 0 and v.version not in needed.get(m.name, set())]
+                if idle and (rec is None or not rec.active):
+                    self._set(m.name, [(v.version, v.weight) for v in m.versions if v not in idle])
+                    _decision(m.name, idle[0].version, "removed", "no live adapter runs on it", {})
 
     def _tick_model(self, m: ModelConfig) -> None:
         request = self.control.take_request(m.name)
@@ -182,6 +231,14 @@ class Controller:
         _decision(m.name, version, "refused", reason, {})
         return rec
 
+    def _check_base(self, m: ModelConfig, version: str) -> None:
+        base = self.current().model(m.base or "")
+        trained_on = self.base_version(m, version)
+        if base.version(trained_on or "") is None:
+            served = ", ".join(v.version for v in base.versions)
+            why = f"{m.name}@{version} was trained on {m.base}@{trained_on}, which is not served ({served})"
+            raise RegistryError(why)
+
     def _start(self, m: ModelConfig, version: str, source: str, overrides: dict[str, Any]) -> PromotionRecord:
         now, live = self.clock(), m.live_version
         policy = PromotionPolicy.model_validate({**m.promotion.model_dump(), **overrides})
@@ -189,6 +246,8 @@ class Controller:
             return self._refuse(m, version, f"{m.name}@{version} is already deployed")
         try:
             manifest = self.store.verify(m.name, version, m.gate)
+            if m.base is not None:
+                self._check_base(m, version)
         except RegistryError as exc:
             rec = self._refuse(m, version, f"refused: {exc}")
             rec.source = "auto" if source == "auto" else "manual"
@@ -240,13 +299,18 @@ class Controller:
             self._stepping(rec, policy)
         elif rec.status == "finishing" and self.clock() - rec.steps[-1].at >= policy.drain_seconds:
             rec.status = "promoted"
-            note = f"promoted; {rec.previous} drained and removed"
-            self._step(rec, "promoted", {rec.version: 100}, {}, note)
+            if rec.previous in self._needed(self.current()).get(rec.model, set()):
+                note = f"promoted; {rec.previous} kept at 0% for the adapters trained on it"
+                self._step(rec, "promoted", {rec.version: 100, rec.previous: 0}, {}, note)
+            else:
+                note = f"promoted; {rec.previous} drained and removed"
+                self._step(rec, "promoted", {rec.version: 100}, {}, note)
 
     def _deploying(self, rec: PromotionRecord, policy: PromotionPolicy) -> None:
-        status, message = self.applier.app_status(app_name(rec.model, rec.version))
+        app = self._app(rec.model, rec.version)
+        status, message = self.applier.app_status(app)
         if status in ("DEPLOY_FAILED", "UNHEALTHY"):
-            return self._rollback(rec, f"{app_name(rec.model, rec.version)} {status}: {message[-600:]}")
+            return self._rollback(rec, f"{app} {status}: {message[-600:]}")
         if status != "RUNNING":
             if self.clock() - rec.created_at > policy.deploy_timeout_s:
                 self._rollback(rec, f"not RUNNING after {policy.deploy_timeout_s:.0f}s ({status})")

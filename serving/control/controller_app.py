@@ -21,6 +21,7 @@ import random
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,13 @@ class HttpProber:
             logger.warning("online eval of %s@%s: eval rows at %s not read: %s", model, version, uri, exc)
             return None
         rows = random.Random(time.time_ns()).sample(rows, min(n, len(rows)))
-        hits = [self._ask(f"{model}@{version}", row) for row in rows]
+        return self.exact_match(f"{model}@{version}", rows)
+
+    def exact_match(self, model: str, rows: list[dict[str, Any]], workers: int = 1) -> float | None:
+        """The share of ``rows`` (training-format eval rows) that ``model`` answers exactly, on
+        ``workers`` concurrent requests; None when no row could be scored."""
+        with ThreadPoolExecutor(workers) as pool:
+            hits = list(pool.map(lambda row: self._ask(model, row), rows))
         scored = [h for h in hits if h is not None]
         return sum(scored) / len(scored) if scored else None
 

@@ -23,6 +23,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("local_ray", c.LocalRayConfig),
     ("controller", c.ControllerConfig),
     ("models[]", c.ModelConfig),
+    ("models[].lora", c.LoraSlots),
     ("models[].gate", Gate),
     ("models[].promotion", c.PromotionPolicy),
     ("models[].promotion.online_eval", c.OnlineEval),
@@ -73,7 +74,8 @@ def _default(field: Any) -> str:
 def config_reference() -> str:
     out = [HEADER]
     for path, model in SECTIONS:
-        out.append(f"## `{path}`\n\n{(model.__doc__ or '').strip()}\n")
+        doc = " ".join(line.strip() for line in (model.__doc__ or "").strip().splitlines())
+        out.append(f"## `{path}`\n\n{doc}\n")
         out.append("| field | type | default | meaning |\n|---|---|---|---|")
         for name, f in model.model_fields.items():
             desc = (f.description or "").replace("|", "/")

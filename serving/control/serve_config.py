@@ -7,6 +7,8 @@ very same dict into the RayService ``serveConfigV2``, so local and Kubernetes ca
 Layout: one application ``gateway`` (route ``/``) plus one application per model version, named
 ``<model>--<version>`` (no HTTP route; reached only through the gateway). The gateway's routing
 table is its Serve ``user_config``: changing weights or adding a version is applied in place.
+A LoRA adapter has no application: each of its versions is registered on the replicas of the
+base version it was trained on, which list it in their own ``user_config`` (also applied in place).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from serving.config import AutoscalingConfig, ModelConfig, ModelVersion, StackConfig
+from serving.config import AutoscalingConfig, ConfigError, ModelConfig, ModelVersion, StackConfig
 from serving.gateway.routing import (
     CHAT_CAPABILITIES,
     EMBEDDING_CAPABILITIES,
@@ -23,11 +25,11 @@ from serving.gateway.routing import (
     ModelRoute,
     VersionRoute,
 )
-from serving.registry import created_at
+from serving.registry import created_at, manifest_at
 from serving.replica.engine import EngineSpec
 from serving.replica.routers import ROUTER_CLASSES
 
-__all__ = ["CONTROLLER_APP", "app_name", "build_serve_config", "routing_user_config"]
+__all__ = ["CONTROLLER_APP", "adapter_bases", "app_name", "build_serve_config", "routing_user_config", "serving_app"]
 
 GATEWAY_APP = "gateway"
 CONTROLLER_APP = "promotion-controller"
@@ -48,41 +50,106 @@ def _shed_at(m: ModelConfig) -> int:
     return max(1, (replicas * d.max_ongoing_requests + d.max_queued_requests) // 2)
 
 
+Bases = dict[tuple[str, str], str]  # (adapter, version) -> the base version it runs on
+
+
+def adapter_bases(cfg: StackConfig, base: Path | None = None, read_manifests: bool = False) -> Bases:
+    """The base version each adapter version runs on: the one its manifest says it was trained on
+    (``base.ref``), which must be a configured version of its base (any weight, 0 included), with
+    a rank the base's ``max_lora_rank`` admits. Without manifests (an offline render, a version
+    still to be trained): the base's live version."""
+    out: Bases = {}
+    for m in cfg.models:
+        if m.base is None:
+            continue
+        b = cfg.model(m.base)
+        for v in m.versions:
+            manifest = manifest_at(cfg.version_path(m, v, base)) if read_manifests else None
+            out[(m.name, v.version)] = _trained_on(cfg, m, v, b, manifest) if manifest else b.live_version
+    return out
+
+
+def _trained_on(cfg: StackConfig, m: ModelConfig, v: ModelVersion, b: ModelConfig, manifest: Any) -> str:
+    where = f"models[{m.name}].versions[{v.version}]"
+    ref = manifest.base.ref if manifest.base and manifest.base.source == "store" else ""
+    model, _, version = ref.partition("@")
+    if manifest.adapter is None or model != b.name:
+        raise ConfigError(f"{where}: not a LoRA adapter of {b.name!r} (its manifest's base is {ref or 'none'})")
+    if b.version(version) is None:
+        served = ", ".join(x.version for x in b.versions)
+        raise ConfigError(f"{where}: trained on {ref}, which is not served ({b.name} serves {served})")
+    slots = cfg.lora_slots(b)
+    if slots is not None and manifest.adapter.rank > slots.max_lora_rank:
+        raise ConfigError(
+            f"{where}: rank {manifest.adapter.rank} exceeds models[{b.name}].lora.max_lora_rank {slots.max_lora_rank}"
+        )
+    return str(version)
+
+
+def serving_app(cfg: StackConfig, model: str, version: str, bases: Bases | None = None) -> str:
+    """The Serve application that answers ``model@version``: its own, or for an adapter its base version's."""
+    m = cfg.model(model)
+    if m.base is None:
+        return app_name(model, version)
+    found = (bases or {}).get((model, version))
+    return app_name(m.base, found or cfg.model(m.base).live_version)
+
+
+def _route(
+    cfg: StackConfig, m: ModelConfig, bases: Bases, created: Callable[[ModelConfig, ModelVersion], int] | None
+) -> ModelRoute:
+    b = cfg.model(m.base) if m.base else m  # an adapter is served as its base is
+    return ModelRoute(
+        name=m.name,
+        aliases=tuple(m.aliases),
+        max_model_len=b.engine.max_model_len,
+        router=b.deployment.router,
+        cold_start_timeout_s=b.deployment.cold_start_timeout_s,
+        scale_to_zero=bool(b.deployment.autoscaling and b.deployment.autoscaling.min_replicas == 0),
+        shed_low_priority_at=_shed_at(b),
+        max_ongoing_requests=b.deployment.max_ongoing_requests,
+        runner=b.engine.runner,
+        capabilities=EMBEDDING_CAPABILITIES if b.engine.runner == "pooling" else CHAT_CAPABILITIES,
+        base=m.base,
+        adapter_routing=m.adapter_routing,
+        versions=tuple(
+            VersionRoute(
+                version=v.version,
+                weight=v.weight,
+                app=serving_app(cfg, m.name, v.version, bases),
+                created=created(m, v) if created else 0,
+                adapter=f"{m.name}@{v.version}" if m.base else None,
+            )
+            for v in m.versions
+        ),
+    )
+
+
 def routing_user_config(
-    cfg: StackConfig, created: Callable[[ModelConfig, ModelVersion], int] | None = None
+    cfg: StackConfig, created: Callable[[ModelConfig, ModelVersion], int] | None = None, bases: Bases | None = None
 ) -> dict[str, Any]:
     """The gateway's ``user_config``: a :class:`GatewayRoutes` (routes and tenants: key hashes and
     env-var names, never keys) as JSON, validated again by the gateway. ``created`` gives a
-    version's manifest time (``serving up`` and promotions read it from the store; 0 without)."""
+    version's manifest time (``serving up`` and promotions read it from the store; 0 without);
+    ``bases``, the base version of each adapter version (:func:`adapter_bases`)."""
     routes = GatewayRoutes(
         default_model=cfg.gateway.default_model,
         auth=cfg.auth,
-        models=tuple(
-            ModelRoute(
-                name=m.name,
-                aliases=tuple(m.aliases),
-                max_model_len=m.engine.max_model_len,
-                router=m.deployment.router,
-                cold_start_timeout_s=m.deployment.cold_start_timeout_s,
-                scale_to_zero=bool(m.deployment.autoscaling and m.deployment.autoscaling.min_replicas == 0),
-                shed_low_priority_at=_shed_at(m),
-                max_ongoing_requests=m.deployment.max_ongoing_requests,
-                runner=m.engine.runner,
-                capabilities=EMBEDDING_CAPABILITIES if m.engine.runner == "pooling" else CHAT_CAPABILITIES,
-                versions=tuple(
-                    VersionRoute(
-                        version=v.version,
-                        weight=v.weight,
-                        app=app_name(m.name, v.version),
-                        created=created(m, v) if created else 0,
-                    )
-                    for v in m.versions
-                ),
-            )
-            for m in cfg.models
-        ),
+        models=tuple(_route(cfg, m, bases or adapter_bases(cfg), created) for m in cfg.models),
     )
     return routes.model_dump(mode="json")
+
+
+def adapter_sources(
+    cfg: StackConfig, m: ModelConfig, v: ModelVersion, base: Path | None, bases: Bases
+) -> dict[str, str]:
+    """The adapter versions the replicas of base ``m@v`` may register: ``name@version`` -> store path."""
+    return {
+        f"{a.name}@{av.version}": cfg.version_path(a, av, base)
+        for a in cfg.adapters_of(m)
+        for av in a.versions
+        if bases.get((a.name, av.version)) == v.version
+    }
 
 
 def _placement(m: ModelConfig) -> dict[str, Any]:
@@ -112,7 +179,7 @@ def _autoscaling(a: AutoscalingConfig) -> dict[str, Any]:
     }
 
 
-def _model_deployment(m: ModelConfig, name: str, grace_s: float) -> dict[str, Any]:
+def _model_deployment(m: ModelConfig, name: str, grace_s: float, adapters: dict[str, str] | None) -> dict[str, Any]:
     d = m.deployment
     out: dict[str, Any] = {
         "name": name,
@@ -131,11 +198,16 @@ def _model_deployment(m: ModelConfig, name: str, grace_s: float) -> dict[str, An
     router = ROUTER_CLASSES[d.router]
     if router:
         out["request_router_config"] = {"request_router_class": router}
+    if adapters is not None:  # a base of adapters: registered at run time, so a change restarts nothing
+        out["user_config"] = {"adapters": adapters}
     return out
 
 
-def _model_application(cfg: StackConfig, m: ModelConfig, v: ModelVersion, base: Path | None) -> dict[str, Any]:
+def _model_application(
+    cfg: StackConfig, m: ModelConfig, v: ModelVersion, base: Path | None, bases: Bases
+) -> dict[str, Any]:
     name = app_name(m.name, v.version)
+    lora = cfg.lora_slots(m)
     spec = EngineSpec(
         model=m.name,
         version=v.version,
@@ -148,13 +220,15 @@ def _model_application(cfg: StackConfig, m: ModelConfig, v: ModelVersion, base: 
         stall_timeout_s=m.deployment.stall_timeout_s,
         shutdown_grace_s=cfg.shutdown.grace_s,
         secret_env=sorted({t.key_env for t in cfg.auth.tenants if t.key_env}),
+        lora=lora,
     )
+    adapters = adapter_sources(cfg, m, v, base, bases) if lora else None
     return {
         "name": name,
         "route_prefix": None,
         "import_path": "serving.replica.server:build_model_server",
         "args": {"name": name, "spec": spec.model_dump(mode="json")},
-        "deployments": [_model_deployment(m, name, cfg.shutdown.grace_s)],
+        "deployments": [_model_deployment(m, name, cfg.shutdown.grace_s, adapters)],
     }
 
 
@@ -195,6 +269,7 @@ def build_serve_config(
     (a deploy does; rendering offline does not).
     """
     g, sd = cfg.gateway, cfg.shutdown
+    bases = adapter_bases(cfg, base, read_manifests)
     gateway = {
         "name": GATEWAY_APP,
         "route_prefix": "/",
@@ -215,7 +290,7 @@ def build_serve_config(
                 "max_ongoing_requests": 1000,
                 "ray_actor_options": {"num_cpus": g.num_cpus},
                 "user_config": routing_user_config(
-                    cfg, (lambda m, v: created_at(cfg.version_path(m, v, base))) if read_manifests else None
+                    cfg, (lambda m, v: created_at(cfg.version_path(m, v, base))) if read_manifests else None, bases
                 ),
                 "graceful_shutdown_timeout_s": sd.grace_s,
                 # a restarted gateway replica (new code or settings) starts before the old one
@@ -224,7 +299,8 @@ def build_serve_config(
             }
         ],
     }
-    apps = [gateway] + [_model_application(cfg, m, v, base) for m in cfg.models for v in m.versions]
+    models = [m for m in cfg.models if m.base is None]
+    apps = [gateway] + [_model_application(cfg, m, v, base, bases) for m in models for v in m.versions]
     if cfg.controller.enabled:
         apps.append(_controller_application(seed or cfg, base))
     return {

@@ -85,7 +85,8 @@ def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
             path = cfg.version_path(m, v, base)
             if "://" in path:
                 continue
-            if not (Path(path) / "config.json").exists():
+            built = Path(path) / ("adapter_config.json" if m.base else "config.json")
+            if not built.exists():
                 if v.recipe is None:
                     raise FileNotFoundError(f"{m.name}@{v.version}: no checkpoint at {path} and no recipe")
                 r = v.recipe
@@ -99,8 +100,9 @@ def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
                 cmd += ["--steps", str(r.steps)] if r.steps else []
                 if subprocess.run(cmd, check=False).returncode != 0:
                     raise RuntimeError(f"{m.name}@{v.version}: the training job failed (its output is above)")
-            hf = json.loads((Path(path) / "config.json").read_text())
-            check_layout(m, hf, float(cfg.local_ray.num_cpus), None)
+            if m.base is None:  # an adapter runs in its base's layout
+                hf = json.loads((Path(path) / "config.json").read_text())
+                check_layout(m, hf, float(cfg.local_ray.num_cpus), None)
 
 
 def _port_free(port: int) -> bool:

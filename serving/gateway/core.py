@@ -202,6 +202,9 @@ class GatewayCore:
 
     def hint_for(self, resolved: Resolved, parsed: Forwardable, session_id: str | None) -> LeaseHint:
         router = resolved.model.router
+        adapter = resolved.version.adapter
+        if adapter is not None:  # the base replicas that hold the adapter come first
+            return LeaseHint(adapter=adapter)
         if router == "prefix_affinity":
             # ray.serve.llm's prefix router divides by the prompt's length and fails on None: a
             # request without leading text (content parts, /detokenize) would never be routed
@@ -249,6 +252,8 @@ class GatewayCore:
         hint = self.hint_for(resolved, parsed, session_id)
         app, timeout = resolved.version.app, resolved.model.cold_start_timeout_s
         limit = resolved.model.max_ongoing_requests
+        loaded_first = resolved.model.adapter_routing == "loaded_first"
+        served = resolved.version.served_name or model
         exchange = Exchange(
             parsed,
             resolved,
@@ -261,7 +266,7 @@ class GatewayCore:
         )
 
         async def leaser() -> Lease:
-            return await self.leases.lease(app, hint, timeout, limit)
+            return await self.leases.lease(app, hint, timeout, limit, loaded_first)
 
         # chat and completions streams may be continued elsewhere (serving.gateway.migration)
         splice = (
@@ -274,7 +279,7 @@ class GatewayCore:
                 client=self.client,
                 leaser=leaser,
                 path=path,
-                body=splice.plan.original if splice else parsed.upstream_body(model),
+                body=splice.plan.original if splice else parsed.upstream_body(served),
                 stream=parsed.stream,
                 request_id=request_id,
                 retries=self.settings.retries,
@@ -317,7 +322,8 @@ class GatewayCore:
             if metrics:
                 metrics.migrations.inc(tags={**tags, "outcome": outcome})
 
-        plan = Plan.of(parsed, path, resolved.model.name, resolved.model.max_model_len)
+        served = resolved.version.served_name or resolved.model.name
+        plan = Plan.of(parsed, path, served, resolved.model.max_model_len)
         return Splice(
             exchange,
             plan,

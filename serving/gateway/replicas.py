@@ -75,7 +75,9 @@ class Lease(Protocol):
 
 
 class LeaseProvider(Protocol):
-    async def lease(self, app: str, hint: LeaseHint, timeout_s: float, limit: int = 0) -> Lease: ...
+    async def lease(
+        self, app: str, hint: LeaseHint, timeout_s: float, limit: int = 0, loaded_first: bool = True
+    ) -> Lease: ...
 
     async def ready(self, app: str, timeout_s: float) -> bool: ...
 
@@ -173,12 +175,17 @@ class EndpointTable:
         now = time.monotonic() if now is None else now
         return [key for key in self._changed if self.quiet_s(*key, now) > PURGE_S]
 
-    def pick(self, app: str, limit: int = 0, now: float | None = None) -> DirectLease | None:
+    def pick(
+        self, app: str, limit: int = 0, now: float | None = None, adapter: str | None = None
+    ) -> DirectLease | None:
         """Power of two choices over ``app``'s live replicas by this gateway's in-flight counts;
         None when it has none (cold, not yet seen) or both choices are at ``limit`` (then
-        Serve's router queues the request)."""
+        Serve's router queues the request). With ``adapter``, only the replicas whose record
+        lists it (registered with their engine): None when none does."""
         now = time.monotonic() if now is None else now
         reps = [r for r in self._by_app.get(app, {}).values() if self._failed_until.get(r.replica, 0) <= now]
+        if adapter is not None:
+            reps = [r for r in reps if adapter in r.adapters]
         if not reps:
             return None
         pair = self._rng.sample(reps, 2) if len(reps) > 1 else reps
@@ -283,13 +290,23 @@ class ReplicaFinder:
             self._handles[app] = h
         return h
 
-    async def lease(self, app: str, hint: LeaseHint, timeout_s: float, limit: int = 0) -> Lease:
-        if self.table is not None and hint.prompt is None and hint.session_id is None:
-            picked = self.table.pick(app, limit)
+    async def lease(
+        self, app: str, hint: LeaseHint, timeout_s: float, limit: int = 0, loaded_first: bool = True
+    ) -> Lease:
+        """A replica of ``app`` for one request. For an adapter (``hint.adapter``) with
+        ``loaded_first``: a replica that holds it, picked here; else Serve's router with the
+        adapter as multiplexed model id (a holder, then the replica with the fewest adapters),
+        whose ``lease`` registers it. Without ``loaded_first``, Serve's router picks any replica."""
+        direct = hint.prompt is None and hint.session_id is None and (hint.adapter is None or loaded_first)
+        if self.table is not None and direct:
+            picked = self.table.pick(app, limit, adapter=hint.adapter)
             if picked is not None:
                 return picked
+        handle = self._handle(app)
+        if hint.adapter is not None and loaded_first:
+            handle = handle.options(multiplexed_model_id=hint.adapter)
         # the handle streams (``options(stream=True)``): the call is a response generator
-        gen = cast("DeploymentResponseGenerator[Endpoint]", self._handle(app).lease.remote(hint))
+        gen = cast("DeploymentResponseGenerator[Endpoint]", handle.lease.remote(hint))
         try:
             endpoint = await asyncio.wait_for(gen.__anext__(), timeout_s)
         except BackPressureError:

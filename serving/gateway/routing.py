@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from serving.config import AuthConfig, RouterName, RunnerName
+from serving.config import AdapterRouting, AuthConfig, RouterName, RunnerName
 from serving.errors import NotFound
 
 __all__ = [
@@ -40,8 +40,14 @@ EMBEDDING_CAPABILITIES = ("embeddings", "tokenize")  # a pooling model (engine.r
 class VersionRoute(_Wire):
     version: str
     weight: int
-    app: str  # Serve application (and deployment) name of this model version
+    app: str  # Serve application (and deployment) name of this model version; an adapter's: its base version's
     created: int = 0  # the version's manifest creation time (Unix seconds; 0: unknown), shown by /v1/models
+    adapter: str | None = None  # a LoRA adapter version: the name it is registered under (name@version)
+
+    @property
+    def served_name(self) -> str | None:
+        """The ``model`` the engine is sent: the adapter's registered name (None: the base's own)."""
+        return self.adapter
 
 
 class ModelRoute(_Wire):
@@ -56,6 +62,8 @@ class ModelRoute(_Wire):
     max_ongoing_requests: int  # per replica; a gateway picking directly leases through Serve beyond it
     runner: RunnerName  # pooling: embeddings only; generate: everything but embeddings
     capabilities: tuple[str, ...] = CHAT_CAPABILITIES  # the APIs it serves, shown by /v1/models
+    base: str | None = None  # a LoRA adapter: the model whose replicas serve it
+    adapter_routing: AdapterRouting = "loaded_first"
 
     def version(self, version: str) -> VersionRoute | None:
         return next((v for v in self.versions if v.version == version), None)
@@ -155,6 +163,7 @@ class RoutingTable:
             "root": m.name,
             "max_model_len": m.max_model_len,
             "capabilities": list(m.capabilities),
+            **({"parent": m.base} if m.base else {}),
         }
 
     def model_ids(self) -> list[tuple[str, ModelRoute]]:

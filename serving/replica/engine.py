@@ -10,7 +10,7 @@ import os
 
 from pydantic import BaseModel, ConfigDict
 
-from serving.config import ConfigError, EngineConfig, ModelConfig
+from serving.config import ConfigError, EngineConfig, LoraSlots, ModelConfig
 from serving.node_cache import VerifiedCache
 from serving.registry import RegistryError
 from serving.replica.placement import cpu_bind_groups
@@ -66,6 +66,7 @@ class EngineSpec(BaseModel):
     stall_timeout_s: float = 30
     shutdown_grace_s: float = 60  # Serve's graceful_shutdown_timeout_s: the replica's drain fits in it
     secret_env: list[str] = []  # variables the engine must not inherit (the tenants' key_env)
+    lora: LoraSlots | None = None  # a base of adapters: vLLM's LoRA flags (serving.replica.adapters)
 
     @property
     def world_size(self) -> int:
@@ -134,6 +135,9 @@ def engine_args(spec: EngineSpec) -> dict[str, str | int | float | bool]:
         args["enable_prefix_caching"] = e.enable_prefix_caching
     if spec.use_gpu:
         args["gpu_memory_utilization"] = e.gpu_memory_utilization
+    if spec.lora is not None:
+        args |= {"enable_lora": True, "max_loras": spec.lora.max_loras, "max_cpu_loras": spec.lora.max_cpu_loras}
+        args["max_lora_rank"] = spec.lora.max_lora_rank
     args.update({key.replace("-", "_"): value for key, value in e.extra_args.items()})
     return args
 
@@ -195,12 +199,17 @@ def _store_credential(name: str) -> bool:
 
 def vllm_env(spec: EngineSpec, cores: list[int] | None = None, token: str | None = None) -> dict[str, str]:
     """Environment for the engine process: its token (``VLLM_API_KEY``, read by vLLM and by the
-    guard middleware), offline, no prompt logging, CPU cache; for a
+    guard middleware), offline, no prompt logging, CPU cache, runtime LoRA registration for a
+    base of adapters; for a
     single-process CPU engine, in-process execution with ``cpus_per_rank`` OpenMP threads, else
     the ranks' core binding (to ``cores`` when given, split over the ranks)."""
     env = dict(OFFLINE_ENV)
     if token:
         env["VLLM_API_KEY"] = token
+    if spec.lora is not None:
+        # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, which it calls unsafe for
+        # production: here only the replica calls them, and the guard requires the token on both
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if not spec.use_gpu:
         e = spec.engine
         env["VLLM_CPU_KVCACHE_SPACE"] = str(e.kv_cache_space_gib)

@@ -35,6 +35,7 @@ import httpx
 
 from serving import contract
 from serving.contract import RUNNING_REQUESTS_KEY, Endpoint, LeaseHint
+from serving.replica.adapters import AdapterSet, Registered
 from serving.replica.engine import EngineSpec, engine_environ, single_process, verified_spec, vllm_command
 from serving.replica.liveness import PROGRESS_COUNTERS, StallWatch
 from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid
@@ -174,6 +175,12 @@ class ModelServer:
         self._load = 0.0  # the engine's running + waiting requests, read every second
         self._draining = False
         self._kv: contract.KV | None = None
+        self.adapters: AdapterSet | None = None
+        self._adapter: Any = None  # Serve's multiplexed loader of adapters (LRU per replica)
+        if self.spec.lora is not None:
+            tags = {"model": self.spec.model, "version": self.spec.version, "replica": self.replica}
+            self.adapters = AdapterSet(self._client, self.endpoint.url, self.spec.lora, self._published_soon, tags)
+            self._adapter = _multiplexed(self.adapters, self.spec.lora.max_cpu_loras)
         if self.app is not None:
             try:
                 self._kv = contract.RayKV()
@@ -206,7 +213,19 @@ class ModelServer:
         if self._kv is not None and self.app is not None and not self._draining and self.proc.poll() is None:
             self._seq += 1
             state = contract.HUNG if self._hung else contract.UP
-            contract.publish(self._kv, self.app, self.replica, self.endpoint.url, self.endpoint.token, self._seq, state)
+            held = self.adapters.names if self.adapters else ()
+            ep = self.endpoint
+            contract.publish(self._kv, self.app, self.replica, ep.url, ep.token, self._seq, state, held)
+
+    def _published_soon(self) -> None:
+        """The registered adapters changed: publish the record now, not at the next heartbeat."""
+        if self._kv is not None:
+            asyncio.get_running_loop().run_in_executor(None, self._publish)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """The base deployment's ``user_config``: the adapter versions it may register."""
+        if self.adapters is not None:
+            self.adapters.configure(dict(user_config.get("adapters", {})))
 
     async def _engine_values(self) -> dict[str, float]:
         from serving.metrics import EngineMetrics, parse_prometheus_values
@@ -321,8 +340,19 @@ class ModelServer:
         if self._hung:
             raise RuntimeError(self._hung)
         self._ensure_background()
+        if hint is not None and hint.adapter:
+            await self._register(hint.adapter)
         yield self.endpoint
         await asyncio.Event().wait()  # released by cancellation from the gateway
+
+    async def _register(self, name: str) -> None:
+        """The adapter registered with the engine before the request is sent here."""
+        if self.adapters is None:
+            raise RuntimeError(f"{self.spec.model}@{self.spec.version} serves no adapters (no LoRA slots)")
+        self.adapters.leased(name, self.adapters.holds(name))
+        await self._adapter(name)
+        if not self.adapters.holds(name):  # retired by a config change while Serve still cached it
+            await self.adapters.load(name)
 
     async def ready(self) -> bool:
         return self.proc.poll() is None
@@ -380,6 +410,17 @@ class ModelServer:
             except Exception as exc:  # noqa: BLE001 - stop anyway
                 logger.warning("draining %s: %s", self.replica, exc)
         self._stop()
+
+
+def _multiplexed(adapters: AdapterSet, per_replica: int) -> Any:
+    """Ray Serve's multiplexed loader over ``adapters``: at most ``per_replica`` held, the least
+    recently used evicted (``Registered.__del__``), and the held ids reported to Serve's router."""
+    from ray import serve
+
+    async def register(name: str) -> Registered:
+        return await adapters.load(name)
+
+    return serve.multiplexed(max_num_models_per_replica=per_replica)(register)
 
 
 def build_model_server(args: dict[str, Any]) -> Any:

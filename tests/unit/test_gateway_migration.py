@@ -99,7 +99,9 @@ class Replicas:
     def __init__(self, *urls: str) -> None:
         self.urls, self.released, self.leased = list(urls), [], 0
 
-    async def lease(self, app: str, hint: object, timeout_s: float, limit: int = 0) -> FixedLease:
+    async def lease(
+        self, app: str, hint: object, timeout_s: float, limit: int = 0, loaded_first: bool = True
+    ) -> FixedLease:
         url = self.urls[min(self.leased, len(self.urls) - 1)]
         self.leased += 1
         return FixedLease(url, self.released)

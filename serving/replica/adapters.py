@@ -1,0 +1,163 @@
+"""LoRA adapters on one base replica: which are registered with its engine, and when.
+
+The base deployment's Serve ``user_config`` lists the adapter versions it may serve, each under
+its own name ``name@version`` with its store path (:func:`serving.control.serve_config.adapter_sources`),
+so adding, promoting or removing an adapter reconfigures running replicas instead of restarting them.
+
+An adapter is registered on first use: Ray Serve's model multiplexing (``serve.multiplexed`` in
+:class:`serving.replica.server.ModelServer`) calls :meth:`AdapterSet.load` for a lease that names
+an adapter this replica does not hold, keeps at most ``max_cpu_loras`` per replica and hands the
+least recently used one to :meth:`AdapterSet.retire` to make room; it also tells Serve's router
+which replica holds which adapter. :meth:`load` fetches the version into the node cache and
+verifies every file against its manifest (:class:`serving.node_cache.VerifiedCache`, like any
+version), refuses a rank above the engine's ``--max-lora-rank``, then registers the local folder
+through vLLM's ``/v1/load_lora_adapter``. vLLM allows that route only with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, which it calls unsafe for production because anyone who
+reaches the server could load weights: here the engine listens on a private port and the guard
+middleware requires the replica's token on that route as on every other
+(:mod:`serving.replica.engine_guard`); only this module calls it. (vLLM's LoRA resolver plugins
+would run inside the engine process, which holds no store credentials and verifies nothing.)
+
+A retired adapter leaves the replica's published record at once (gateways stop sending it there
+within ``REFRESH_S``) and is unregistered ``UNLOAD_DELAY_S`` later; vLLM finishes the requests
+it already holds either way (unregistering only removes the name). Within the registered set,
+vLLM's own LRU decides which adapters occupy its ``max_loras`` batch slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from serving.config import LoraSlots
+from serving.contract import REFRESH_S
+from serving.node_cache import VerifiedCache
+
+logger = logging.getLogger("ray.serve")
+
+__all__ = ["UNLOAD_DELAY_S", "AdapterRefused", "AdapterSet", "Registered"]
+
+UNLOAD_DELAY_S = 2 * REFRESH_S + 1.0
+
+
+class AdapterRefused(RuntimeError):
+    """The adapter is not configured for this base, fails verification, or exceeds its slots."""
+
+
+class Registered:
+    """What the multiplexer caches for one adapter; its eviction retires the adapter."""
+
+    def __init__(self, adapters: AdapterSet, name: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.adapters, self.name, self._loop, self._done = adapters, name, loop, False
+
+    def __del__(self) -> None:
+        # Serve's multiplexer calls this on eviction (in a thread); the garbage collector may again
+        if not self._done:
+            self._done = True
+            try:
+                self._loop.call_soon_threadsafe(self.adapters.retire, self.name)
+            except RuntimeError:  # the replica's loop is closed: it is stopping anyway
+                pass
+
+
+class AdapterSet:
+    """The adapters registered with one replica's engine, and the ones it may register."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        url: str,
+        slots: LoraSlots,
+        on_change: Callable[[], None],
+        tags: dict[str, str],
+        cache_dir: str | None = None,
+    ) -> None:
+        self.client, self.url, self.slots = client, url, slots
+        self.on_change, self.tags, self.cache_dir = on_change, tags, cache_dir
+        self.allowed: dict[str, str] = {}  # name@version -> store path of the version
+        self.registered: dict[str, str] = {}  # name@version -> verified local folder, registered now
+        self._retiring: dict[str, asyncio.Task[None]] = {}
+        self._metrics: Any = None
+        try:
+            from serving.metrics import AdapterMetrics
+
+            self._metrics = AdapterMetrics()
+        except Exception:  # noqa: BLE001 - outside Ray (unit use): no metrics
+            self._metrics = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The adapters gateways may send here now (registered, not retiring)."""
+        return tuple(sorted(n for n in self.registered if n not in self._retiring))
+
+    def holds(self, name: str) -> bool:
+        return name in self.registered and name not in self._retiring
+
+    def configure(self, allowed: dict[str, str]) -> None:
+        """The adapter versions of the base's ``user_config``; registered ones no longer in it retire."""
+        self.allowed = dict(allowed)
+        for name in [n for n in self.registered if n not in allowed]:
+            self.retire(name)
+
+    async def load(self, name: str) -> Registered:
+        """Register ``name`` with the engine (fetched and verified first) unless it holds it."""
+        if name not in self.allowed:
+            raise AdapterRefused(f"adapter {name!r} is not configured for this base")
+        retiring = self._retiring.pop(name, None)
+        if retiring is not None:
+            retiring.cancel()  # wanted again before it was unregistered
+        elif name not in self.registered:
+            local = await asyncio.to_thread(self._verified, name)
+            resp = await self.client.post(
+                f"{self.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": local}, timeout=120
+            )
+            if resp.status_code != 200:
+                raise AdapterRefused(f"vLLM refused adapter {name!r}: {resp.status_code} {resp.text[:300]}")
+            self.registered[name] = local
+            logger.info("adapter %s registered (%d held)", name, len(self.registered))
+            self._count("loads", name)
+        self.on_change()
+        return Registered(self, name, asyncio.get_running_loop())
+
+    def _verified(self, name: str) -> str:
+        resolved = VerifiedCache(self.cache_dir).resolve_uri(self.allowed[name])
+        adapter = resolved.manifest.adapter
+        if adapter is None:
+            raise AdapterRefused(f"{name}: the version's manifest describes no LoRA adapter")
+        if adapter.rank > self.slots.max_lora_rank:
+            raise AdapterRefused(
+                f"{name}: rank {adapter.rank} exceeds the base's max_lora_rank {self.slots.max_lora_rank}"
+            )
+        return resolved.path
+
+    def retire(self, name: str) -> None:
+        """Stop publishing ``name`` now; unregister it from the engine ``UNLOAD_DELAY_S`` later."""
+        if name in self.registered and name not in self._retiring:
+            self._retiring[name] = asyncio.get_running_loop().create_task(self._unload_later(name))
+            self.on_change()
+
+    async def _unload_later(self, name: str) -> None:
+        await asyncio.sleep(UNLOAD_DELAY_S)
+        self._retiring.pop(name, None)
+        self.registered.pop(name, None)
+        try:
+            await self.client.post(f"{self.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
+        except httpx.HTTPError as exc:  # the engine is going away: nothing left to unregister
+            logger.warning("unregistering adapter %s: %s", name, exc)
+        self._count("evictions", name)
+        logger.info("adapter %s unregistered (%d held)", name, len(self.registered))
+
+    def leased(self, name: str, hit: bool) -> None:
+        """A lease for ``name`` reached this replica, holding the adapter already (hit) or not."""
+        if self._metrics is not None:
+            self._metrics.leases.inc(tags={**self.tags, "adapter": name, "outcome": "hit" if hit else "miss"})
+
+    def _count(self, what: str, name: str) -> None:
+        m = self._metrics
+        if m is not None:
+            getattr(m, what).inc(tags={**self.tags, "adapter": name})
+            m.registered.set(len(self.names), tags=self.tags)
