@@ -191,6 +191,14 @@ class TrainRecipe(_Strict):
     )
     steps: int | None = Field(None, ge=1, description="Optimizer steps; default: the job's default for the base.")
     seed: int = Field(0, description="Data order and initialisation seed.")
+    lora_rank: int | None = Field(None, ge=1, description="method lora: the adapter's rank (default 8).")
+    lora_alpha: int | None = Field(None, ge=1, description="method lora: its scaling alpha (default 16).")
+
+    @model_validator(mode="after")
+    def _lora_only(self) -> TrainRecipe:
+        if self.method != "lora" and (self.lora_rank or self.lora_alpha):
+            raise ValueError("lora_rank and lora_alpha need method lora")
+        return self
 
 
 class ModelVersion(_Strict):

@@ -98,6 +98,8 @@ def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
                 cmd += ["--method", r.method, "--seed", str(r.seed)]
                 cmd += ["--eval", r.eval] if r.eval else []
                 cmd += ["--steps", str(r.steps)] if r.steps else []
+                cmd += ["--lora-rank", str(r.lora_rank)] if r.lora_rank else []
+                cmd += ["--lora-alpha", str(r.lora_alpha)] if r.lora_alpha else []
                 if subprocess.run(cmd, check=False).returncode != 0:
                     raise RuntimeError(f"{m.name}@{v.version}: the training job failed (its output is above)")
             if m.base is None:  # an adapter runs in its base's layout
