@@ -7,11 +7,13 @@ so adding, promoting or removing an adapter reconfigures running replicas instea
 An adapter is registered on first use: Ray Serve's model multiplexing (``serve.multiplexed`` in
 :class:`serving.replica.server.ModelServer`) calls :meth:`AdapterSet.load` for a lease that names
 an adapter this replica does not hold, keeps at most ``max_cpu_loras`` per replica and hands the
-least recently used one to :meth:`AdapterSet.retire` to make room; it also tells Serve's router
-which replica holds which adapter. :meth:`load` fetches the version into the node cache and
-verifies every file against its manifest (:class:`serving.node_cache.VerifiedCache`, like any
-version), refuses a rank above the engine's ``--max-lora-rank``, then registers the local folder
-through vLLM's ``/v1/load_lora_adapter``. vLLM allows that route only with
+least recently used one to :meth:`AdapterSet.retire` to make room (requests the gateways send
+straight to the engine reach that LRU through :meth:`AdapterSet.in_use`, read from the engine's
+metrics every second); it also tells Serve's router which replica holds which adapter.
+:meth:`load` fetches the version into the node cache and verifies every file against its
+manifest (:class:`serving.node_cache.VerifiedCache`, like any version), refuses a rank above
+the engine's ``--max-lora-rank``, then registers the local folder through vLLM's
+``/v1/load_lora_adapter``. vLLM allows that route only with
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, which it calls unsafe for production because anyone who
 reaches the server could load weights: here the engine listens on a private port and the guard
 middleware requires the replica's token on that route as on every other
@@ -35,6 +37,7 @@ import httpx
 
 from serving.config import LoraSlots
 from serving.contract import REFRESH_S
+from serving.metrics import samples
 from serving.node_cache import VerifiedCache
 
 logger = logging.getLogger("ray.serve")
@@ -81,6 +84,7 @@ class AdapterSet:
         self.allowed: dict[str, str] = {}  # name@version -> store path of the version
         self.registered: dict[str, str] = {}  # name@version -> verified local folder, registered now
         self._retiring: dict[str, asyncio.Task[None]] = {}
+        self._seen_at = 0.0  # the newest lora_requests_info stamp read (the engine's clock)
         self._metrics: Any = None
         try:
             from serving.metrics import AdapterMetrics
@@ -150,6 +154,22 @@ class AdapterSet:
             logger.warning("unregistering adapter %s: %s", name, exc)
         self._count("evictions", name)
         logger.info("adapter %s unregistered (%d held)", name, len(self.registered))
+
+    def in_use(self, metrics_text: str) -> list[str]:
+        """Held adapters the engine ran or queued since the last call, from its ``/metrics``:
+        vLLM stamps the current time on ``vllm:lora_requests_info`` for the running and waiting
+        adapters of each step (a series per combination), so every series stamped since the last
+        read names adapters in use. Requests a gateway sent directly count there too, which the
+        multiplexer's LRU would not see otherwise."""
+        used: set[str] = set()
+        newest = self._seen_at
+        for _, labels, stamp in samples(metrics_text, "lora_requests_info", {"vllm:lora_requests_info"}):
+            if stamp > self._seen_at:
+                newest = max(newest, stamp)
+                for key in ("running_lora_adapters", "waiting_lora_adapters"):
+                    used.update(n for n in labels.get(key, "").split(",") if n)
+        self._seen_at = newest
+        return sorted(n for n in used if self.holds(n))
 
     def leased(self, name: str, hit: bool) -> None:
         """A lease for ``name`` reached this replica, holding the adapter already (hit) or not."""

@@ -222,8 +222,9 @@ class ModelServer:
         if self._kv is not None:
             asyncio.get_running_loop().run_in_executor(None, self._publish)
 
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """The base deployment's ``user_config``: the adapter versions it may register."""
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """The base deployment's ``user_config``: the adapter versions it may register (on the
+        replica's event loop, where adapters retire)."""
         if self.adapters is not None:
             self.adapters.configure(dict(user_config.get("adapters", {})))
 
@@ -231,6 +232,9 @@ class ModelServer:
         from serving.metrics import EngineMetrics, parse_prometheus_values
 
         resp = await self._client.get(f"{self.endpoint.url}/metrics")
+        if self.adapters is not None:
+            for name in self.adapters.in_use(resp.text):
+                await self._adapter(name)  # held: only marks it recently used in the multiplexer
         return parse_prometheus_values(resp.text, {*EngineMetrics.FIELDS, *PROGRESS_COUNTERS})
 
     async def _scrape_forever(self) -> None:

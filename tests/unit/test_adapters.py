@@ -234,3 +234,20 @@ def test_a_base_version_stays_while_a_live_adapter_runs_on_it(tmp_path: Path) ->
     assert ctl.control.history("sub")[-1].status == "promoted"
     assert cluster.weights("sub") == [("v2", 100)] and cluster.weights("calc") == [("v2", 100)]
     assert cluster.warmed == ["calc@v2", "sub@v2"]
+
+
+def test_adapters_the_engine_used_since_the_last_read_count_as_recently_used(tmp_path: Path) -> None:
+    """vLLM stamps the time on one ``lora_requests_info`` series per running/waiting combination."""
+
+    def text(*series: tuple[str, str, float]) -> str:
+        lines = [
+            f'vllm:lora_requests_info{{max_lora="2",running_lora_adapters="{run}",waiting_lora_adapters="{wait}"}} {t}'
+            for run, wait, t in series
+        ]
+        return "\n".join(["# TYPE vllm:lora_requests_info gauge", *lines])
+
+    held = AdapterSet(httpx.AsyncClient(), "http://e", LoraSlots(), lambda: None, TAGS)
+    held.registered = {"a@v1": "/a", "b@v1": "/b", "c@v1": "/c"}
+    assert held.in_use(text(("a@v1", "", 100.0), ("", "b@v1,x@v1", 90.0))) == ["a@v1", "b@v1"]  # x: not held
+    assert held.in_use(text(("a@v1", "", 100.0), ("", "b@v1,x@v1", 90.0))) == []  # nothing new
+    assert held.in_use(text(("a@v1", "", 100.0), ("c@v1", "", 101.5))) == ["c@v1"]
