@@ -1,5 +1,6 @@
 """Closed-loop streaming load for benchmarks: C workers, each sending its next request as soon as
-the previous one finished, until N requests are done (asyncio + one pooled httpx client).
+the previous one finished, until N requests are done (asyncio + one pooled httpx client per
+server; :func:`run_targets` spreads one loop over several servers or models).
 
 Timings follow :mod:`loadtests.workload` (TTFT to the first token event; ITL per request).
 """
@@ -10,7 +11,8 @@ import asyncio
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -18,7 +20,7 @@ import httpx
 
 from loadtests.workload import Outcome, StreamMeter, outcome_of_body
 
-__all__ = ["LevelResult", "ms", "percentile", "run_level", "send"]
+__all__ = ["LevelResult", "Target", "ms", "percentile", "run_level", "run_targets", "send"]
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -95,6 +97,16 @@ async def send(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Ou
         return Outcome(False, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}"[:200])
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where one share of a level's requests goes: a server, its token, a route and a body factory."""
+
+    base_url: str
+    api_key: str | None
+    path: str
+    make_body: Callable[[], dict[str, Any]]
+
+
 async def run_level(
     base_url: str,
     api_key: str | None,
@@ -106,21 +118,42 @@ async def run_level(
     timeout_s: float = 120,
 ) -> LevelResult:
     """``warmup`` unrecorded requests (at the same concurrency), then ``requests`` recorded ones."""
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    target = Target(base_url, api_key, path, make_body)
+    return await run_targets([target], concurrency, requests, warmup, timeout_s)
+
+
+async def run_targets(
+    targets: Sequence[Target], concurrency: int, requests: int, warmup: int = 0, timeout_s: float = 120
+) -> LevelResult:
+    """One closed loop of ``concurrency`` workers over several targets: the k-th request sent goes
+    to ``targets[k % len(targets)]`` (an even mix whatever each target's speed), one pooled
+    client per target; ``warmup`` unrecorded requests first, as :func:`run_level`."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(
-        base_url=base_url, headers=headers, limits=limits, timeout=httpx.Timeout(timeout_s, connect=10)
-    ) as client:
+    async with AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(
+                    base_url=t.base_url,
+                    headers={"authorization": f"Bearer {t.api_key}"} if t.api_key else {},
+                    limits=limits,
+                    timeout=httpx.Timeout(timeout_s, connect=10),
+                )
+            )
+            for t in targets
+        ]
+        sent = 0
 
         async def batch(n: int) -> list[Outcome]:
             left = n
             outs: list[Outcome] = []
 
             async def worker() -> None:
-                nonlocal left
+                nonlocal left, sent
                 while left > 0:
                     left -= 1
-                    outs.append(await send(client, path, make_body()))
+                    k, sent = sent % len(targets), sent + 1
+                    t = targets[k]
+                    outs.append(await send(clients[k], t.path, t.make_body()))
 
             await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
             return outs

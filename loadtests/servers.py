@@ -42,12 +42,12 @@ from typing import Any
 import httpx
 import yaml
 
-from serving.config import EngineConfig
+from serving.config import EngineConfig, LoraSlots
 from serving.replica.engine import OFFLINE_ENV, EngineSpec, engine_args, single_process, vllm_command, vllm_env
 from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid
 from serving.waiting import poll
 
-__all__ = ["HA_ENV", "BenchModel", "Server", "make_server", "running"]
+__all__ = ["HA_ENV", "BenchModel", "Server", "make_server", "running", "session_pids", "stop_session"]
 
 ROOT = Path(__file__).resolve().parents[1]
 HA_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
@@ -63,6 +63,7 @@ class BenchModel:
     engine: EngineConfig
     use_gpu: bool = False
     name: str = "bench"
+    lora: LoraSlots | None = None  # a base of adapters: vLLM's LoRA flags and runtime registration
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The engine arguments ``vllm_command`` passes, for ``LLMConfig.engine_kwargs``."""
@@ -76,6 +77,7 @@ class BenchModel:
             engine=self.engine,
             use_gpu=self.use_gpu,
             gpus_per_rank=1.0 if self.use_gpu else 0.0,
+            lora=self.lora,
         )
 
 
@@ -101,7 +103,7 @@ def _cmdlines() -> str:
     return "\n".join(out)
 
 
-def _session_pids(sid: int) -> list[int]:
+def session_pids(sid: int) -> list[int]:
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -128,7 +130,7 @@ def stop_session(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:
         except ProcessLookupError:
             break
         time.sleep(2)
-    for pid in _session_pids(sid):
+    for pid in session_pids(sid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -379,3 +379,37 @@ def test_relay_benchmark_runs_the_gateway_against_its_synthetic_replica(capsys: 
     assert "4 chunks per request, 3 clients" in out
     line = next(ln for ln in out.splitlines() if "ms CPU/request" in ln)
     assert "failures 0" in line and "nan" not in line
+
+
+def test_lora_bench_memory_and_ratios() -> None:
+    from loadtests.lora_bench import parse_rollup, ratio_rows, ratios_table
+
+    rollup = "55d0-7ffd [rollup]\nRss:              204800 kB\nPss:              102400 kB\nPss_Anon:  1 kB\n"
+    assert parse_rollup(rollup) == {"Rss": 204800, "Pss": 102400}
+    assert parse_rollup("") == {"Rss": 0, "Pss": 0}
+
+    def level(rps: float, ttft: float, itl: float) -> dict[str, float]:
+        return {"requests_per_s": rps, "ttft_p50_ms": ttft, "itl_p50_ms": itl}
+
+    def rnd(on_rps: float) -> dict[str, object]:
+        return {
+            "round": 1,
+            "order": ["off", "shared", "split"],
+            "results": {
+                "off": {"base": level(100, 10, 1.0), "memory": {"pss_mib": 1000}},
+                "shared": {"base": level(on_rps, 20, 2.0), "mix": level(30, 5, 1), "memory": {"pss_mib": 1100}},
+                "split": {"mix": level(20, 5, 1), "memory": {"pss_mib": 2200}},
+            },
+        }
+
+    rows = ratio_rows([rnd(50), rnd(70)])
+    assert rows[0] == {
+        "base_rps_on_off": 0.5,
+        "base_ttft_p50_on_off": 2.0,
+        "base_itl_p50_on_off": 2.0,
+        "mix_rps_shared_split": 1.5,
+        "pss_shared_split": 0.5,
+        "pss_on_off": 1.1,
+    }
+    table = ratios_table([rnd(50), rnd(70)])
+    assert "| median | **0.60** | **2.00** |" in table  # the median of 0.5 and 0.7
