@@ -33,13 +33,14 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from serving.config import ModelConfig, ModelVersion, PromotionPolicy, StackConfig
 from serving.control.record import ControlStore, PromotionRecord, PromotionRequest, StepRecord, StoreLock
 from serving.control.serve_config import app_name
 from serving.control.watch import Verdict, VersionStats, judge, merge
-from serving.registry import CheckpointStore, Manifest, RegistryError, _natural_key
+from serving.registry import CheckpointStore, Manifest, RegistryError, _natural_key, manifest_at
 
 __all__ = ["Applier", "Controller", "Prober", "with_live"]
 
@@ -92,12 +93,14 @@ class Controller:
         prober: Prober,
         clock: Callable[[], float] = time.time,
         observe: Callable[[str, dict[str, int], str], None] = lambda model, weights, phase: None,
+        base: Path | None = None,
     ) -> None:
         self.seed, self.store, self.control, self.lock = seed, store, control, lock
         self.applier, self.prober, self.clock, self.observe = applier, prober, clock, observe
         self._resumed: set[str] = set()
         self._active = False
         self._trained_on: dict[tuple[str, str], str] = {}  # (adapter, version) -> base version (manifests)
+        self.base = base  # the config file's folder: relative version paths start there
 
     # -- the record -----------------------------------------------------------------------------
 
@@ -144,7 +147,11 @@ class Controller:
         """The base version an adapter version was trained on (its manifest's ``base.ref``)."""
         key = (adapter.name, version)
         if key not in self._trained_on:
-            manifest = self.store.manifest(adapter.name, version)
+            # where the version is served from: its configured path, else the store's layout
+            configured = self.seed.model(adapter.name).version(version) or ModelVersion(version=version)
+            manifest = manifest_at(self.seed.version_path(adapter, configured, self.base))
+            if manifest is None:
+                manifest = self.store.manifest(adapter.name, version)
             ref = manifest.base.ref if manifest.base else ""
             model, _, base_version = ref.partition("@")
             if model != adapter.base or not base_version:

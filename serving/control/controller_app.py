@@ -181,7 +181,8 @@ def build_controller(cfg: StackConfig, base: Path | None, observe: Any = None) -
     key_env = cfg.controller.client_key_env
     headers = {"authorization": f"Bearer {os.environ[key_env]}"} if key_env and os.environ.get(key_env) else {}
     kwargs = {"observe": observe} if observe else {}
-    return Controller(cfg, CheckpointStore(root), control, lock, applier, HttpProber(url, headers), **kwargs)
+    prober = HttpProber(url, headers)
+    return Controller(cfg, CheckpointStore(root), control, lock, applier, prober, base=base, **kwargs)
 
 
 class PromotionController:

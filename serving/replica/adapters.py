@@ -21,7 +21,8 @@ middleware requires the replica's token on that route as on every other
 would run inside the engine process, which holds no store credentials and verifies nothing.)
 
 A retired adapter leaves the replica's published record at once (gateways stop sending it there
-within ``REFRESH_S``) and is unregistered ``UNLOAD_DELAY_S`` later; vLLM finishes the requests
+within ``REFRESH_S``) and is unregistered ``UNLOAD_DELAY_S`` later (one wanted again before that
+is kept, and counted as a load like any other); vLLM finishes the requests
 it already holds either way (unregistering only removes the name). Within the registered set,
 vLLM's own LRU decides which adapters occupy its ``max_loras`` batch slots.
 """
@@ -112,8 +113,9 @@ class AdapterSet:
         if name not in self.allowed:
             raise AdapterRefused(f"adapter {name!r} is not configured for this base")
         retiring = self._retiring.pop(name, None)
-        if retiring is not None:
-            retiring.cancel()  # wanted again before it was unregistered
+        if retiring is not None:  # wanted again before it was unregistered: kept, still a load
+            retiring.cancel()
+            self._count("loads", name)
         elif name not in self.registered:
             local = await asyncio.to_thread(self._verified, name)
             resp = await self.client.post(

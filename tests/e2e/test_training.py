@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 
 from serving.registry import CheckpointStore
-from training.lora import LoraOptions
 from training.train import TrainingError, train
 
 pytestmark = pytest.mark.e2e
@@ -153,39 +152,3 @@ print("after", os.environ.get("RAY_AUTH_MODE"))
     lines = out.stdout.split("\n")
     assert lines[0] in ("token 0o600 None", "token 0o600 "), out.stdout + out.stderr
     assert lines[1] == "after None"
-
-
-LORA_STEPS = 100
-
-
-def test_lora_adapter_of_a_store_version_is_published_and_served_by_vllm(tmp_path: Path, base_dir: str) -> None:
-    """``--method lora`` on a store base: a small peft adapter is published with the base's exact
-    version and manifest hash, and vLLM with ``--enable-lora`` applies it to the base to score what
-    the job scored; the base alone does not."""
-    from serving.control.importer import import_model
-
-    root = tmp_path / "store"
-    store = CheckpointStore(str(root))
-    base = import_model(base_dir, store, "base", "v1", log=lambda _: None)
-    data = _write(tmp_path / "train.jsonl", _rows("train", 600, 200))
-    evals = _write(tmp_path / "eval.jsonl", _rows("eval", 24, 16))
-    with pytest.raises(TrainingError, match="needs a base from the checkpoint store"):
-        train("maxer", "v1", str(root), base_dir, data, evals, method="lora")
-
-    manifest = train("maxer", "lora1", str(root), "base@v1", data, evals, method="lora", steps=LORA_STEPS)
-    base_sha = hashlib.sha256((root / "base" / "v1" / "manifest.json").read_bytes()).hexdigest()
-    assert manifest["base"] == {"source": "store", "ref": "base@v1", "manifest_sha256": base_sha}
-    assert manifest["adapter"] == {"rank": 8, "alpha": 16, "target_modules": list(LoraOptions().target_modules)}
-    assert manifest["training"]["method"] == "lora" and manifest["architecture"] == base.architecture
-    assert sorted(manifest["files"]) == ["adapter_config.json", "adapter_model.safetensors"]
-    adapter_cfg = json.loads((root / "maxer" / "lora1" / "adapter_config.json").read_text())
-    assert adapter_cfg["base_model_name_or_path"] == "base@v1" and adapter_cfg["r"] == 8
-    # the adapter is a small fraction of the base
-    assert manifest["sizes"]["adapter_model.safetensors"] < sum(base.sizes.values()) / 4
-
-    adapted = _vllm_eval(root, "maxer", "lora1", evals)
-    alone = _vllm_eval(root, "base", "v1", evals)
-    score = manifest["eval"]["metrics"]["exact_match"]
-    print(f"adapter manifest {score:.2f}, vLLM with the adapter {adapted}, the base alone {alone}")
-    assert abs(adapted["generate_exact_match"] - score) <= 0.05
-    assert adapted["generate_exact_match"] >= alone["generate_exact_match"] + 0.3

@@ -11,7 +11,7 @@ import pytest
 
 from serving.config import load_config
 from serving.control.serve_config import build_serve_config
-from serving.replica.engine import EngineSpec, vllm_command
+from serving.replica.engine import EngineSpec, vllm_command, vllm_env
 from tests.conftest import Stack
 from tests.integration.raytools import ray_run
 
@@ -19,13 +19,13 @@ pytestmark = pytest.mark.integration
 
 RECORDS = """
 from serving.gateway.replicas import RayKV, read_records
-print(json.dumps([r.__dict__ for r in read_records(RayKV())]))
+print(json.dumps([r.__dict__ | {"adapters": sorted(r.adapters)} for r in read_records(RayKV())]))
 """
 
 
-def _engine_routes(stack: Stack, app: str) -> list[tuple[str, str]]:
+def _engine_routes(stack: Stack, app: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     """(method, path) of every route vLLM's server registers, built in this process from the
-    replica's own command line (the served app is that same FastAPI app)."""
+    replica's own command line and engine environment (the served app is that same FastAPI app)."""
     from starlette.routing import Mount, Route
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -34,6 +34,8 @@ def _engine_routes(stack: Stack, app: str) -> list[tuple[str, str]]:
     cfg = load_config(stack.config)
     sc = build_serve_config(cfg, Path(stack.config).parent)
     spec = EngineSpec.model_validate(next(a for a in sc["applications"] if a["name"] == app)["args"]["spec"])
+    for key, value in vllm_env(spec).items():  # e.g. the runtime LoRA routes of a base of adapters
+        monkeypatch.setenv(key, value)
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_command(spec, "127.0.0.1", 1)[2:])
     routes: set[tuple[str, str]] = set()
     for r in build_app(args, ("generate",)).routes:
@@ -45,12 +47,13 @@ def _engine_routes(stack: Stack, app: str) -> list[tuple[str, str]]:
     return sorted(routes)
 
 
-def test_every_engine_route_needs_the_replica_token(stack: Stack) -> None:
+def test_every_engine_route_needs_the_replica_token(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
     records = [r for r in ray_run(stack, RECORDS) if r["app"] == "adder--v1"]
     assert len(records) == 2  # both replicas published their endpoint
-    routes = _engine_routes(stack, "adder--v1")
+    routes = _engine_routes(stack, "adder--v1", monkeypatch)
     paths = {p for _, p in routes}
     assert {"/invocations", "/tokenize", "/metrics", "/v1/completions", "/health"} <= paths, paths
+    assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= paths, paths  # adder serves adapters
     for rec in records:
         url, token = rec["url"], rec["token"]
         with httpx.Client(base_url=url, timeout=60) as c:

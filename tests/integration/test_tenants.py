@@ -46,7 +46,7 @@ def test_models_outside_the_tenant_list_look_absent(stack: Stack) -> None:
     r = _post(stack, "limited", {**ADD, "model": "subtractor"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     ids = {m["id"] for m in httpx.get(f"{stack.url}/v1/models", headers=stack.headers("limited")).json()["data"]}
-    assert ids == {"adder", "default", "stable", "adder@v1"}
+    assert ids == {"adder", "default", "stable", "adder@v1", "max-lora", "max-lora@v1"}
     assert httpx.get(f"{stack.url}/v1/models/subtractor", headers=stack.headers("limited")).status_code == 404
     # the hashed-key tenant may use only subtractor
     assert _post(stack, "hashed", {**ADD, "model": "subtractor", "prompt": "50-8="}).status_code == 200
