@@ -19,7 +19,7 @@ from serving.control.serve_config import build_serve_config
 from serving.replica.engine import OFFLINE_ENV
 
 if TYPE_CHECKING:
-    from serving.control.record import ControlStore
+    from serving.record import ControlStore
     from serving.registry import CheckpointStore
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -62,7 +62,7 @@ def _migrate_routes(cfg: StackConfig, control: ControlStore) -> None:
 
 
 def _control(cfg: StackConfig, config: Path) -> ControlStore:
-    from serving.control.record import ControlStore
+    from serving.record import ControlStore
 
     return ControlStore(_store(cfg, config).root, cfg.name)
 

@@ -11,8 +11,8 @@ import pytest
 
 from serving.config import StackConfig, parse_config
 from serving.control.controller import Controller, with_live
-from serving.control.record import ControlStore, PromotionRequest, StoreLock
 from serving.control.serve_config import routing_user_config
+from serving.record import ControlStore, PromotionRequest, StoreLock
 from serving.registry import CheckpointStore, Manifest, hash_tree
 
 POLICY = {"step_seconds": 10, "warmup_requests": 0, "drain_seconds": 5, "min_requests": 5, "max_step_extensions": 2}
