@@ -228,7 +228,7 @@ def _model_application(
         startup_timeout_s=m.deployment.startup_timeout_s,
         stall_timeout_s=m.deployment.stall_timeout_s,
         shutdown_grace_s=cfg.shutdown.grace_s,
-        secret_env=sorted({t.key_env for t in cfg.auth.tenants if t.key_env}),
+        secret_env=sorted({t.key_env for t in cfg.auth.tenants if t.key_env} | _admin_env(cfg)),
         lora=lora,
     )
     adapters = adapter_sources(cfg, m, v, base, bases) if lora else None
@@ -264,6 +264,10 @@ def _controller_application(seed: StackConfig, base: Path | None) -> dict[str, A
             }
         ],
     }
+
+
+def _admin_env(cfg: StackConfig) -> set[str]:
+    return {cfg.controller.admin_key_env} if cfg.controller.admin_key_env else set()
 
 
 def admin_access(cfg: StackConfig, base: Path | None) -> AdminAccess:

@@ -96,7 +96,7 @@ class PromotionStatus:
             "object": "promotion.status",
             "model": name,
             "live": [v.model_dump() for v in live or []],
-            "active": _summary(active, steps) if active else None,
+            "active": _summary(active, steps=False) if active else None,
             "history": [_summary(r, steps) for r in reversed(history[-last:])],
         }
 

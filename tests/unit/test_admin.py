@@ -149,6 +149,8 @@ def test_the_gateway_gets_the_record_and_the_hashes_never_a_key(tmp_path: Path) 
     access = AdminAccess.model_validate(gateway["args"]["admin"])
     assert access.store_root == str((tmp_path / "store").resolve()) and access.stack == "t"
     assert access.key_env == "K" and ADMIN not in json.dumps(gateway)
+    engines = [a for a in build_serve_config(cfg)["applications"] if "spec" in a["args"]]
+    assert engines and all("K" in a["args"]["spec"]["secret_env"] for a in engines)  # vLLM never sees it
     with pytest.raises(ValueError, match="sha256"):
         parse_config(_stack(tmp_path, admin={"admin_key_hashes": ["plain-text-key"]}))
 
