@@ -483,6 +483,14 @@ class GatewayConfig(_Strict):
         return self.proxy_port or (self.port + 1 if self.port < 65535 else self.port - 1)
 
 
+def _check_key_hashes(v: list[str]) -> list[str]:
+    for h in v:
+        parts = h.split("$")
+        if len(parts) != 3 or parts[0] != "sha256" or len(parts[2]) != 64:
+            raise ValueError("key hashes look like sha256$<salt>$<64 hex> (serving keys new)")
+    return v
+
+
 class TenantConfig(_Strict):
     """A client team: its API keys (never in plain text here), models, limits and priority."""
 
@@ -509,11 +517,7 @@ class TenantConfig(_Strict):
     @field_validator("key_hashes")
     @classmethod
     def _hash_format(cls, v: list[str]) -> list[str]:
-        for h in v:
-            parts = h.split("$")
-            if len(parts) != 3 or parts[0] != "sha256" or len(parts[2]) != 64:
-                raise ValueError("key_hashes entries look like sha256$<salt>$<64 hex> (serving keys new)")
-        return v
+        return _check_key_hashes(v)
 
     @model_validator(mode="after")
     def _has_key(self) -> TenantConfig:
@@ -633,6 +637,26 @@ class ControllerConfig(_Strict):
     gateway_url: str | None = Field(
         None, description="Where the controller reaches the gateway (default: its host:port)."
     )
+    admin_key_hashes: list[str] = Field(
+        default_factory=list,
+        description="Salted hashes (`serving keys new`) of the admin keys that may read `GET /admin/promotions` "
+        "on the gateway; no tenant key can. Without an admin key the route answers 404.",
+    )
+    admin_key_env: str | None = Field(
+        None, description="Environment variable holding an admin key (e.g. from a K8s Secret)."
+    )
+    admin_timeout_s: float = Field(
+        5.0, gt=0, le=60, description="Longest wait of `GET /admin/promotions` for the store; then 503."
+    )
+
+    @field_validator("admin_key_hashes")
+    @classmethod
+    def _admin_hash_format(cls, v: list[str]) -> list[str]:
+        return _check_key_hashes(v)
+
+    @property
+    def has_admin_key(self) -> bool:
+        return bool(self.admin_key_hashes or self.admin_key_env)
 
 
 class StackConfig(_Strict):
@@ -683,6 +707,13 @@ class StackConfig(_Strict):
 
     def adapters_of(self, model: ModelConfig) -> list[ModelConfig]:
         return [m for m in self.models if m.base == model.name]
+
+    def store_root(self, base: Path | None) -> str:
+        """The checkpoint store's root; a relative path is taken from the config file's folder."""
+        root = self.checkpoint_root
+        if "://" not in root and not Path(root).is_absolute() and base is not None:
+            root = str((base / root).resolve())
+        return root
 
     def version_path(self, model: ModelConfig, version: ModelVersion, base: Path | None) -> str:
         """Where a version's weights live; relative paths are taken from the config file's folder."""

@@ -19,7 +19,7 @@ from serving.control.serve_config import build_serve_config
 from serving.replica.engine import OFFLINE_ENV
 
 if TYPE_CHECKING:
-    from serving.control.record import ControlStore
+    from serving.record import ControlStore
     from serving.registry import CheckpointStore
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -62,7 +62,7 @@ def _migrate_routes(cfg: StackConfig, control: ControlStore) -> None:
 
 
 def _control(cfg: StackConfig, config: Path) -> ControlStore:
-    from serving.control.record import ControlStore
+    from serving.record import ControlStore
 
     return ControlStore(_store(cfg, config).root, cfg.name)
 
@@ -273,13 +273,19 @@ def import_(
 def render_k8s(
     env: str | None = typer.Option(None, "--env", help="Only this overlay (default: all)."),
     check: bool = typer.Option(False, "--check", help="Exit 1 if a generated file is stale."),
+    written: bool = typer.Option(
+        False, "--as-written", help="The versions of the YAML, without the promotion record's live versions."
+    ),
 ) -> None:
     """Render deployments/<env>.yaml into k8s/overlays/<env>/: serve-config.yaml (serveConfigV2) and
-    image.yaml (kubernetes.image)."""
-    from serving.control.k8s import K8sError, stale_k8s, write_k8s
+    image.yaml (kubernetes.image). The live versions and weights recorded in the checkpoint store
+    are applied over the YAML's, as ``serving up`` applies them; where the store is not reachable,
+    those the committed file names are kept."""
+    from serving.control.k8s import K8sError, as_written, stale_k8s, store_live, write_k8s
 
+    live = as_written if written else store_live
     try:
-        paths = stale_k8s(Path("."), env) if check else write_k8s(Path("."), env)
+        paths = stale_k8s(Path("."), env, live) if check else write_k8s(Path("."), env, live)
     except (K8sError, ConfigError) as exc:
         console.print(str(exc), style="red", markup=False)
         raise typer.Exit(2) from None

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from serving.config import ModelConfig, ModelVersion, PromotionPolicy, StackConfig
-from serving.control.record import ControlStore, PromotionRecord, PromotionRequest, StepRecord, StoreLock
 from serving.control.serve_config import app_name
 from serving.control.watch import Verdict, VersionStats, judge, merge
+from serving.record import ControlStore, PromotionRecord, PromotionRequest, StepRecord, StoreLock
 from serving.registry import CheckpointStore, Manifest, RegistryError, _natural_key, manifest_at
 
 __all__ = ["Applier", "Controller", "Prober", "with_live"]

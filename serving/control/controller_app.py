@@ -5,7 +5,7 @@ every other app, so ``serving up`` deploys it and KubeRay deploys it from ``serv
 no extra step, on a new cluster too (blue/green); Serve restarts its replica when it dies or fails
 its health check (the loop thread stopped); and its args (the stack config as written, never the
 live versions) do not change when a step is applied, so applying a step never restarts it.
-Exactly one replica per cluster; across clusters the store lock (``serving.control.record``)
+Exactly one replica per cluster; across clusters the store lock (``serving.record``)
 leaves only one of them active.
 
 Each poll the replica runs :meth:`Controller.tick`. Locally a step is applied through Serve's own
@@ -31,8 +31,8 @@ from ray import serve
 
 from serving.config import StackConfig
 from serving.control.controller import Controller
-from serving.control.record import ControlStore, StoreLock
 from serving.control.serve_config import build_serve_config
+from serving.record import ControlStore, StoreLock
 from serving.registry import CheckpointStore, Manifest
 
 __all__ = ["HttpProber", "PromotionController", "ServeApplier", "build_controller"]
@@ -155,18 +155,11 @@ class HttpProber:
         return _normalise(answer) == _normalise(messages[last]["content"])
 
 
-def _store_root(cfg: StackConfig, base: Path | None) -> str:
-    root = cfg.checkpoint_root
-    if "://" not in root and not Path(root).is_absolute() and base is not None:
-        root = str((base / root).resolve())
-    return root
-
-
 def build_controller(cfg: StackConfig, base: Path | None, observe: Any = None) -> Controller:
     """The controller of a stack, wired for the cluster it runs in."""
     import os
 
-    root = _store_root(cfg, base)
+    root = cfg.store_root(base)
     control = ControlStore(root, cfg.name)
     holder = f"{socket.gethostname()}:{os.getpid()}"
     lock = StoreLock(control, holder, cfg.controller.lock_ttl_s)

@@ -1,7 +1,7 @@
 """What ``serving promote``, ``serving rollback`` and ``serving promotions`` do: write a request
 into the store for the promotion controller, follow the promotion's record, print the history.
 
-The CLI talks to the controller only through the store (``serving.control.record``): a request is
+The CLI talks to the controller only through the store (``serving.record``): a request is
 a file the controller takes at its next poll, and progress is the promotion's record, which the
 controller writes before each step. So the admin credential is write access to the store (the
 checkpoint volume or bucket), never a tenant's API key, and a request made while the controller
@@ -17,7 +17,7 @@ from typing import Any
 
 from serving.config import StackConfig
 from serving.control.controller import with_live
-from serving.control.record import ControlStore, PromotionRecord, PromotionRequest
+from serving.record import ControlStore, PromotionRecord, PromotionRequest
 
 __all__ = ["controller_alive", "follow", "format_record", "live_config", "submit"]
 

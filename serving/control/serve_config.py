@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.config import AutoscalingConfig, ConfigError, ModelConfig, ModelVersion, StackConfig
+from serving.gateway.admin import AdminAccess
 from serving.gateway.routing import (
     CHAT_CAPABILITIES,
     EMBEDDING_CAPABILITIES,
@@ -29,7 +30,15 @@ from serving.registry import created_at, manifest_at
 from serving.replica.engine import EngineSpec
 from serving.replica.routers import ROUTER_CLASSES
 
-__all__ = ["CONTROLLER_APP", "adapter_bases", "app_name", "build_serve_config", "routing_user_config", "serving_app"]
+__all__ = [
+    "CONTROLLER_APP",
+    "adapter_bases",
+    "admin_access",
+    "app_name",
+    "build_serve_config",
+    "routing_user_config",
+    "serving_app",
+]
 
 GATEWAY_APP = "gateway"
 CONTROLLER_APP = "promotion-controller"
@@ -219,7 +228,7 @@ def _model_application(
         startup_timeout_s=m.deployment.startup_timeout_s,
         stall_timeout_s=m.deployment.stall_timeout_s,
         shutdown_grace_s=cfg.shutdown.grace_s,
-        secret_env=sorted({t.key_env for t in cfg.auth.tenants if t.key_env}),
+        secret_env=sorted({t.key_env for t in cfg.auth.tenants if t.key_env} | _admin_env(cfg)),
         lora=lora,
     )
     adapters = adapter_sources(cfg, m, v, base, bases) if lora else None
@@ -257,6 +266,22 @@ def _controller_application(seed: StackConfig, base: Path | None) -> dict[str, A
     }
 
 
+def _admin_env(cfg: StackConfig) -> set[str]:
+    return {cfg.controller.admin_key_env} if cfg.controller.admin_key_env else set()
+
+
+def admin_access(cfg: StackConfig, base: Path | None) -> AdminAccess:
+    """The gateway's admin routes: the record they read and the admin keys (hashes, env name)."""
+    c = cfg.controller
+    return AdminAccess(
+        store_root=cfg.store_root(base),
+        stack=cfg.name,
+        key_hashes=c.admin_key_hashes,
+        key_env=c.admin_key_env,
+        timeout_s=c.admin_timeout_s,
+    )
+
+
 def build_serve_config(
     cfg: StackConfig, base: Path | None = None, read_manifests: bool = False, seed: StackConfig | None = None
 ) -> dict[str, Any]:
@@ -278,6 +303,7 @@ def build_serve_config(
         "args": {
             "config": g.model_dump(mode="json", exclude=GATEWAY_SHAPE),
             "shutdown": sd.model_dump(mode="json"),
+            **({"admin": admin_access(cfg, base).model_dump(mode="json")} if cfg.controller.has_admin_key else {}),
         },
         "deployments": [
             {

@@ -10,6 +10,7 @@ from ray import serve
 
 from serving.config import GatewayConfig, ShutdownConfig
 from serving.contract import RUNNING_REQUESTS_KEY
+from serving.gateway.admin import AdminAccess
 from serving.gateway.core import GatewayCore
 from serving.gateway.replicas import ReplicaFinder
 from serving.gateway.routes import create_api
@@ -22,17 +23,19 @@ __all__ = ["Gateway", "build_gateway"]
 @serve.ingress()
 class Gateway:
     """Ingress deployment. ``config`` and ``shutdown`` (the stack's ``GatewayConfig`` and
-    ``ShutdownConfig`` as JSON) are the init args; the routing table is the ``user_config``, so
+    ``ShutdownConfig`` as JSON) and ``admin`` (an :class:`AdminAccess`, only when the stack has
+    an admin key) are the init args; the routing table is the ``user_config``, so
     promotions and weight changes are applied in place (``reconfigure``), with no restart.
 
     With ``gateway.ingress: listener`` (the default) the replica serves the OpenAI API on its
     address itself (:mod:`serving.gateway.listener`); Serve's proxy still serves the same app on
     its own port. Without it, Serve's proxy is the only way in (``ingress: serve_proxy``)."""
 
-    def __init__(self, config: dict[str, Any], shutdown: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], shutdown: dict[str, Any], admin: dict[str, Any] | None = None) -> None:
         from serving.metrics import GatewayMetrics
 
         cfg = GatewayConfig.model_validate(config)
+        self.admin = AdminAccess.model_validate(admin) if admin else None
         stop = ShutdownConfig.model_validate(shutdown)
         replica = str(serve.get_replica_context().replica_tag)
         self.leases = ReplicaFinder(direct=cfg.replica_routing == "direct")
@@ -42,7 +45,7 @@ class Gateway:
         if cfg.ingress == "listener":
             from serving.gateway.listener import Listener
 
-            app = create_api(self.core, set_request_id_header=True)
+            app = create_api(self.core, set_request_id_header=True, admin=self.admin)
             self._listener = Listener(
                 app,
                 cfg.host,
@@ -78,9 +81,9 @@ class Gateway:
         await self.core.aclose()
 
     def __serve_build_asgi_app__(self) -> Any:
-        return create_api(self.core)
+        return create_api(self.core, admin=self.admin)
 
 
 def build_gateway(args: dict[str, Any]) -> Any:
     """Serve application builder (``import_path: serving.gateway.deployment:build_gateway``)."""
-    return serve.deployment(name="Gateway")(Gateway).bind(args["config"], args["shutdown"])
+    return serve.deployment(name="Gateway")(Gateway).bind(args["config"], args["shutdown"], args.get("admin"))

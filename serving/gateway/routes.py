@@ -4,7 +4,8 @@
 in-process through ``httpx.ASGITransport``; the Serve deployment (:mod:`serving.gateway.deployment`)
 serves the same app. The forwarding routes (chat, completions, embeddings) are raw ASGI endpoints
 (they carry every token); the rest is FastAPI. The routes of the agent APIs (Responses, Messages,
-tokenize) are added by :mod:`serving.gateway.agent_routes` through the same generate endpoint.
+tokenize) are added by :mod:`serving.gateway.agent_routes` through the same generate endpoint;
+the admin routes (promotion status, admin keys only) by :mod:`serving.gateway.admin`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from serving.errors import (
     NotFound,
     to_response,
 )
+from serving.gateway.admin import AdminAccess, add_admin_routes
 from serving.gateway.admission.auth import Tenant
 from serving.gateway.core import GatewayCore
 from serving.gateway.protocol import Forwardable, parse_request
@@ -265,9 +267,12 @@ class GatewayApp:
         await self.api(scope, receive, send)
 
 
-def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> GatewayApp:
+def create_api(
+    core: GatewayCore, set_request_id_header: bool | None = None, admin: AdminAccess | None = None
+) -> GatewayApp:
     """The routes over ``core``. ``set_request_id_header``: echo ``x-request-id`` on responses
-    (default: ``core.settings``; off behind Serve's proxy, which does it itself)."""
+    (default: ``core.settings``; off behind Serve's proxy, which does it itself). ``admin``: where
+    the admin routes read the promotion record, and their keys (None: no admin routes, 404)."""
     app = FastAPI(title="raystack-llm gateway", docs_url=None, redoc_url=None)
     rid_header = core.set_request_id_header if set_request_id_header is None else set_request_id_header
 
@@ -302,6 +307,7 @@ def create_api(core: GatewayCore, set_request_id_header: bool | None = None) -> 
     from serving.gateway.agent_routes import add_agent_routes
 
     generate |= add_agent_routes(app, core, rid_header, _error)
+    add_admin_routes(app, admin, lambda: core.auth, _error, _request_id)
     for path, handler in generate.items():
         app.router.routes.append(Route(path, handler, methods=["POST"]))
 

@@ -108,7 +108,7 @@ def _exact_max(url: str, model: str) -> float:
 
 
 def _history(stack: Stack) -> list[dict[str, object]]:
-    from serving.control.record import ControlStore
+    from serving.record import ControlStore
 
     control = ControlStore(str(stack.config.parent / "store"), "promotest")
     return [r.model_dump() for r in control.history("arith")]
@@ -263,10 +263,10 @@ def test_gateway_restart_keeps_the_port_answering(stack: Stack) -> None:
     settings, under load: the replacement starts before the old replica stops (max_surge_percent),
     so the port the gateway replicas serve themselves never refuses a connection."""
     from serving.config import load_config
-    from serving.control.record import ControlStore
     from serving.control.requests import live_config
     from serving.control.serve_config import build_serve_config
     from serving.control.stack import StackState, deploy, serve_status
+    from serving.record import ControlStore
 
     seed = load_config(stack.config)
     cfg = live_config(seed, ControlStore(seed.checkpoint_root, seed.name))

@@ -15,9 +15,9 @@ import pytest
 
 from serving.config import ConfigError, LoraSlots, parse_config
 from serving.contract import Record
-from serving.control.record import PromotionRequest
 from serving.control.serve_config import adapter_bases, build_serve_config, serving_app
 from serving.gateway.replicas import EndpointTable
+from serving.record import PromotionRequest
 from serving.registry import hash_tree
 from serving.replica import adapters as adapters_mod
 from serving.replica.adapters import AdapterRefused, AdapterSet

@@ -11,8 +11,8 @@ import pytest
 
 from serving.config import StackConfig, parse_config
 from serving.control.controller import Controller, with_live
-from serving.control.record import ControlStore, PromotionRequest, StoreLock
 from serving.control.serve_config import routing_user_config
+from serving.record import ControlStore, PromotionRequest, StoreLock
 from serving.registry import CheckpointStore, Manifest, hash_tree
 
 POLICY = {"step_seconds": 10, "warmup_requests": 0, "drain_seconds": 5, "min_requests": 5, "max_step_extensions": 2}
@@ -67,6 +67,7 @@ class Cluster:
         self.per_tick = {"v1": (10, 0, 0.05), "v2": (10, 0, 0.05)}  # requests, errors, ttft per poll
         self.totals: dict[tuple[str, str], list[float]] = {}
         self.score: float | None = 0.9
+        self.scores: dict[str, float] = {}  # per model, over ``score``
         self.warmed: list[str] = []
 
     def apply(self, cfg: StackConfig) -> None:
@@ -102,7 +103,7 @@ class Cluster:
         self.warmed.append(f"{model}@{version}")
 
     def online_eval(self, model: str, version: str, manifest: Manifest, n: int) -> float | None:
-        return self.score
+        return self.scores.get(model, self.score)
 
 
 def _controller(tmp: Path, cfg: dict[str, Any], clock: Clock, cluster: Cluster, holder: str = "a") -> Controller:
@@ -234,6 +235,29 @@ def test_two_models_promoted_at_once_do_not_undo_each_other(env: Any) -> None:
         assert set(applied) == {"calc", "other"}
     mixed = [a for a in cluster.applied if len(a["calc"]) == 2 and len(a["other"]) == 2]
     assert mixed, "the two canaries ran side by side"
+
+
+def test_two_models_at_once_one_promoted_one_rolled_back_each_ends_where_it_should(env: Any) -> None:
+    """calc's v2 answers well, other's v2 badly: other's rollback leaves calc's canary where it
+    is, calc's steps leave other's rollback in place, and the record says the same."""
+    tmp, clock, cluster = env
+    ctl = _controller(tmp, _cfg(), clock, cluster)
+    _publish(tmp / "ck", "calc", "v2")
+    _publish(tmp / "ck", "other", "v2")
+    cluster.scores = {"other": 0.1}
+    _run(ctl, clock, 40)
+    assert cluster.applied[-1] == {"calc": [("v2", 100)], "other": [("v1", 100)]}
+    assert [(v.version, v.weight) for v in ctl.control.live()["calc"]] == [("v2", 100)]
+    assert [(v.version, v.weight) for v in ctl.control.live()["other"]] == [("v1", 100)]
+    (calc,), (other,) = ctl.control.history("calc"), ctl.control.history("other")
+    assert (calc.status, other.status) == ("promoted", "rolled_back") and "online eval" in other.reason
+    canary = next(i for i, a in enumerate(cluster.applied) if len(a["other"]) == 2)
+    rolled = next(i for i, a in enumerate(cluster.applied) if i > canary and a["other"] == [("v1", 100)])
+    assert len(cluster.applied[rolled]["calc"]) == 2, "other rolled back while calc's canary was live"
+    # after other's rollback, no config brought its v2 back; calc kept moving forward
+    assert all(a["other"] == [("v1", 100)] for a in cluster.applied[rolled:])
+    calc_v2 = [dict(a["calc"]).get("v2", 0) for a in cluster.applied]
+    assert calc_v2 == sorted(calc_v2) and calc_v2[-1] == 100
 
 
 def test_restart_mid_canary_resumes_from_the_record(env: Any) -> None:

@@ -10,9 +10,9 @@ import pytest
 
 from serving.config import PromotionPolicy, load_config
 from serving.control.controller import with_live
-from serving.control.record import ControlStore, StoreLock
 from serving.control.serve_config import CONTROLLER_APP, build_serve_config
 from serving.control.watch import VersionStats, judge, parse_stats, percentile
+from serving.record import ControlStore, StoreLock
 
 METRICS = """# HELP ray_raystack_requests_total x
 ray_raystack_requests_total{Component="a",model="calc",status_class="2xx",tenant="t",version="v1"} 90.0
