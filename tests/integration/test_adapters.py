@@ -72,7 +72,7 @@ def test_each_adapter_answers_its_task_at_its_manifest_score_and_the_base_stays_
         assert manifest.base is not None and manifest.base.ref == "adder@v1" and manifest.adapter is not None
         rows = _eval_rows(manifest)
         for model in ("adder", *TASK_OF):
-            scores[(model, task)] = prober.exact_match(model, rows if model == adapter else rows[:60], workers=4)
+            scores[(model, task)] = prober.exact_match(model, rows if model == adapter else rows[:40], workers=8)
         claimed = manifest.eval.value("exact_match") if manifest.eval else None
         own = scores[(adapter, task)]
         assert claimed is not None and own is not None and abs(own - claimed) <= 0.05, (adapter, own, claimed)
@@ -83,7 +83,7 @@ def test_each_adapter_answers_its_task_at_its_manifest_score_and_the_base_stays_
     base = _manifest("adder")
     assert base.eval is not None
     add_rows = [r for r in _eval_rows(base) if r.get("kind") == "plain"]
-    plain = prober.exact_match("adder", add_rows, workers=4)
+    plain = prober.exact_match("adder", add_rows, workers=8)
     assert plain is not None and abs(plain - (base.eval.value("exact_match/plain") or 0)) <= 0.05, plain
     print("exact match (model, task):", {f"{m}/{t}": round(s or 0, 3) for (m, t), s in scores.items()})
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.keys["main"], max_retries=0)
