@@ -47,6 +47,22 @@ def _api_server_pid(replica_pid: int) -> int:
     return kids[0].pid
 
 
+def engine_victim(app: str) -> tuple[int, int]:
+    """A replica of ``app`` with a running EngineCore, and that core's pid. A replica that an
+    earlier test's fault is still retiring can linger in the process list without its engine."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for pid in _replica_pids(app):
+            try:
+                core = engine_core_pid(_api_server_pid(pid))
+            except (AssertionError, psutil.Error):  # no API server (yet, or any more)
+                continue
+            if core is not None:
+                return pid, core
+        time.sleep(2)
+    raise AssertionError(f"no {app} replica with a running EngineCore")
+
+
 @contextmanager
 def _stopped(pid: int) -> Iterator[None]:
     os.kill(pid, signal.SIGSTOP)
@@ -119,9 +135,7 @@ def test_hung_engine_is_replaced_and_its_requests_go_elsewhere(stack: Stack) -> 
     record hung; the gateways retry its unanswered requests on the other replica, and Serve
     replaces it."""
     _wait_replicas(stack, APP, 2, 300)
-    victim = _replica_pids(APP)[0]
-    core = engine_core_pid(_api_server_pid(victim))
-    assert core is not None
+    victim, core = engine_victim(APP)
 
     def hang() -> None:
         os.kill(core, signal.SIGSTOP)

@@ -15,15 +15,13 @@ import time
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 
 from serving.config import load_config
 from serving.metrics import samples
-from serving.replica.placement import engine_core_pid
 from tests.conftest import Stack
 from tests.integration.test_failover import _replica_pids, _wait_replicas
-from tests.integration.test_liveness import _api_server_pid
+from tests.integration.test_liveness import engine_victim
 
 pytestmark = pytest.mark.integration
 
@@ -80,26 +78,10 @@ def _migrations(stack: Stack) -> float:
     )
 
 
-def _victim() -> tuple[int, int]:
-    """A replica of ``APP`` with a running EngineCore, and that core's pid. A replica that an
-    earlier test's fault is still retiring can linger in the process list without its engine."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        for pid in _replica_pids(APP):
-            try:
-                core = engine_core_pid(_api_server_pid(pid))
-            except (AssertionError, psutil.Error):  # no API server (yet, or any more)
-                continue
-            if core is not None:
-                return pid, core
-        time.sleep(2)
-    raise AssertionError(f"no {APP} replica with a running EngineCore")
-
-
 def test_streams_on_a_killed_engine_continue_on_the_other_replica(stack: Stack) -> None:
     _wait_replicas(stack, APP, 2, 300)
     before = _migrations(stack)
-    victim, core = _victim()
+    victim, core = engine_victim(APP)
 
     async def run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         async with httpx.AsyncClient(timeout=300, headers=stack.headers()) as c:
