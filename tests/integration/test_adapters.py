@@ -166,44 +166,73 @@ def test_loaded_first_routing_keeps_adapters_where_they_are_loaded(stack: Stack)
     assert p2c >= 1.5 * aware, (p2c, aware)
 
 
-def _publish_copy(s3_env: dict[str, str], model: str, source: Path, version: str) -> None:
-    """``model@version`` in the stack's store (S3): ``source``'s files under a new version name."""
+def _publish_copy(s3_env: dict[str, str], model: str, weights: Path, version: str, claims: Path | None = None) -> None:
+    """``model@version`` in the stack's store (S3): the files of ``weights`` under a new version
+    name, its manifest claiming the eval of ``claims`` (default: its own)."""
     s3 = s3_client(s3_env)
-    manifest = json.loads((source / "manifest.json").read_text()) | {"version": version}
+    manifest = json.loads((weights / "manifest.json").read_text()) | {"model": model, "version": version}
+    if claims is not None:
+        manifest["eval"] = json.loads((claims / "manifest.json").read_text())["eval"]
     for f in manifest["files"]:
-        s3.put_object(Bucket=BUCKET, Key=f"store/{model}/{version}/{f}", Body=(source / f).read_bytes())
+        s3.put_object(Bucket=BUCKET, Key=f"store/{model}/{version}/{f}", Body=(weights / f).read_bytes())
     s3.put_object(Bucket=BUCKET, Key=f"store/{model}/{version}/manifest.json", Body=json.dumps(manifest).encode())
 
 
-def test_an_adapter_is_promoted_under_load_with_no_failed_request(stack: Stack, s3_stack_env: dict[str, str]) -> None:
+def test_two_adapters_promoted_at_once_under_load_each_end_where_they_should(
+    stack: Stack, s3_stack_env: dict[str, str]
+) -> None:
+    """sub-lora@new (sub-lora's weights) is promoted while max-lora@new, whose manifest claims
+    max-lora's score but whose weights are sub-lora's, is rolled back by the online eval: at the
+    same time, on the same base replicas, under load, with no failed request."""
     version = f"v{int(time.time())}"  # a new name per run: versions are immutable
     _publish_copy(s3_stack_env, "sub-lora", LOCAL / "sub-lora" / "v1", version)
+    _publish_copy(s3_stack_env, "max-lora", LOCAL / "sub-lora" / "v1", version, claims=LOCAL / "max-lora" / "v1")
     stop, outcomes, served = threading.Event(), Counter[int](), Counter[str]()
 
-    def load() -> None:
+    def load(model: str) -> None:
         with httpx.Client(timeout=120) as client:
             while not stop.is_set():
-                body = {"model": "sub-lora", "prompt": "50-8=", "max_tokens": 2, "temperature": 0}
+                body = {"model": model, "prompt": "50-8=", "max_tokens": 2, "temperature": 0}
                 r = client.post(f"{stack.url}/v1/completions", json=body, headers=stack.headers())
                 outcomes[r.status_code] += 1
                 if r.status_code == 200:
                     served[r.json()["model"]] += 1
                 time.sleep(0.05)
 
-    threads = [threading.Thread(target=load) for _ in range(2)]
+    threads = [threading.Thread(target=load, args=(m,)) for m in ("sub-lora", "sub-lora", "max-lora")]
     for t in threads:
         t.start()
+    env = {**os.environ, **s3_stack_env}
     try:
         time.sleep(2)
-        cmd = [SERVING, "promote", "sub-lora", version, "-c", str(stack.config)]
-        env = {**os.environ, **s3_stack_env}
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        procs = {
+            m: subprocess.Popen(
+                [SERVING, "promote", m, version, "-c", str(stack.config)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+            for m in ("sub-lora", "max-lora")
+        }
+        out = {m: p.communicate(timeout=300)[0] for m, p in procs.items()}
         time.sleep(3)
     finally:
         stop.set()
         for t in threads:
             t.join(60)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "promoted" in out, out[-3000:]
+    assert procs["sub-lora"].returncode == 0 and "promoted" in out["sub-lora"], out["sub-lora"][-3000:]
+    assert procs["max-lora"].returncode == 1 and "online eval" in out["max-lora"], out["max-lora"][-3000:]
     assert set(outcomes) == {200}, outcomes
     assert served["sub-lora@v1"] > 0 and served[f"sub-lora@{version}"] > 0, served
+    # where each ended: sub-lora's new version alone, max-lora's v1 alone
+    after = Counter[str]()
+    with httpx.Client(timeout=60) as client:
+        for m in ("sub-lora", "max-lora"):
+            for _ in range(3):
+                body = {"model": m, "prompt": "1+1=", "max_tokens": 1}
+                after[
+                    client.post(f"{stack.url}/v1/completions", json=body, headers=stack.headers()).json()["model"]
+                ] += 1
+    assert after == Counter({f"sub-lora@{version}": 3, "max-lora@v1": 3}), after
