@@ -141,10 +141,11 @@ def routing_user_config(
     env-var names, never keys) as JSON, validated again by the gateway. ``created`` gives a
     version's manifest time (``serving up`` and promotions read it from the store; 0 without);
     ``bases``, the base version of each adapter version (:func:`adapter_bases`)."""
+    placed = bases if bases is not None else adapter_bases(cfg)
     routes = GatewayRoutes(
         default_model=cfg.gateway.default_model,
         auth=cfg.auth,
-        models=tuple(_route(cfg, m, bases or adapter_bases(cfg), created) for m in cfg.models),
+        models=tuple(_route(cfg, m, placed, created) for m in cfg.models),
     )
     return routes.model_dump(mode="json")
 
