@@ -15,14 +15,20 @@ was in progress, never an older one. Every file is replaced whole (write, then r
 
 The lock is a lease: ``{holder, token, expires_at}``. A controller takes it when it is absent,
 expired or its own, renews it every poll and checks it before every write; a controller that sees
-another holder's unexpired lease only watches. The compare-and-set runs under an ``flock`` on a
-local (or NFS) store; on an object store, which has no lock primitive through fsspec, it is write
-then read back after a settle delay (the later writer wins and the earlier sees it lost).
+another holder's unexpired lease only watches. Taking or renewing it is a compare-and-set:
+
+- on a local (or NFS) store, under an ``flock``;
+- on S3 (s3fs), a conditional write: ``If-None-Match: *`` creates the lease only if there is none,
+  ``If-Match: <ETag read>`` replaces exactly the lease that was read, so of two clusters that read
+  the same expired lease one write succeeds and the other gets 412 and watches;
+- on another object store, which has no conditional write through fsspec, write then read back
+  after a settle delay (the later writer wins and the earlier sees it lost).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -213,6 +219,41 @@ class ControlStore:
         raw = self._read("lock.json")
         return None if raw is None else dict(json.loads(raw))
 
+    @property
+    def conditional(self) -> bool:
+        """Whether writes can be made conditional on what was read (S3's If-Match/If-None-Match)."""
+        return "s3" in tuple(self.fs.protocol)
+
+    def read_lock_tagged(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The lease and the ETag it was read under (``None, None`` when there is none).
+
+        The ETag is read first: if the object changes before its body is read, the conditional
+        write with the older ETag fails, which is the safe outcome."""
+        path = f"{self.base}/lock.json"
+        try:
+            etag = str(self.fs.info(path, refresh=True)["ETag"])
+        except FileNotFoundError:
+            return None, None
+        raw = self._read("lock.json")
+        return (None if raw is None else dict(json.loads(raw))), etag
+
+    def write_lock_if(self, body: dict[str, Any], etag: str | None) -> bool:
+        """Write the lease only if the object is still the one read under ``etag`` (``None``: only
+        if there is none); False when another writer got there first."""
+        path, data = f"{self.base}/lock.json", json.dumps(body).encode()
+        try:
+            if etag is None:
+                self.fs.pipe_file(path, data, mode="create")
+            else:
+                self.fs.pipe_file(path, data, IfMatch=etag)
+        except (FileExistsError, FileNotFoundError):  # created, or deleted, since it was read
+            return False
+        except OSError as exc:  # s3fs raises 412 Precondition Failed as EINVAL
+            if exc.errno == errno.EINVAL:
+                return False
+            raise
+        return True
+
 
 class StoreLock:
     """The lease that makes one controller of a stack active (see the module docstring)."""
@@ -232,6 +273,13 @@ class StoreLock:
 
     def acquire(self) -> bool:
         """Take or renew the lease; False if another holder's lease has not expired."""
+        if self.store.conditional:
+            current, etag = self.store.read_lock_tagged()
+            now = self.clock()
+            if current and current.get("token") != self.token and float(current.get("expires_at", 0)) > now:
+                return False
+            body = {"holder": self.holder, "token": self.token, "expires_at": now + self.ttl_s}
+            return self.store.write_lock_if(body, etag)
         with self.store._mutex():
             now = self.clock()
             current = self.store.read_lock()
@@ -248,6 +296,11 @@ class StoreLock:
         return bool(current and current.get("token") == self.token and float(current["expires_at"]) > self.clock())
 
     def release(self) -> None:
+        if self.store.conditional:  # expire it, only if it is still ours
+            current, etag = self.store.read_lock_tagged()
+            if current and current.get("token") == self.token:
+                self.store.write_lock_if(current | {"expires_at": 0.0}, etag)
+            return
         with self.store._mutex():
             if self.held():
                 self.store._delete("lock.json")

@@ -4,6 +4,7 @@ lock (decisions: tests/unit/test_controller.py; the real flow: tests/e2e/test_pr
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 
 import pytest
@@ -94,12 +95,43 @@ def test_record_of_live_versions_keeps_other_models(tmp_path: Path) -> None:
     }
 
 
-def test_lock_on_an_object_store_is_write_then_read_back(s3_bucket: str) -> None:
-    """s3 has no flock: the later writer of an expired lease wins, the earlier sees it lost."""
+def test_lock_on_s3_is_a_conditional_write(s3_bucket: str) -> None:
+    """Two clusters that read the same expired lease both try to take it: S3's If-Match lets
+    exactly one write through, and the other watches; a release only expires its own lease."""
     c = ControlStore(f"s3://{s3_bucket}/ck", "s")
     t = [100.0]
     blue = StoreLock(c, "blue", 30, clock=lambda: t[0], settle_s=0)
     green = StoreLock(c, "green", 30, clock=lambda: t[0], settle_s=0)
+    assert c.conditional
+    assert blue.acquire() and not green.acquire() and blue.acquire()  # renewal is a conditional write too
+    t[0] += 31
+    # both read the expired lease under the same ETag, then both write
+    read_blue, read_green = c.read_lock_tagged(), c.read_lock_tagged()
+    assert read_blue[1] == read_green[1] is not None
+    won = [
+        c.write_lock_if({"holder": h, "token": h, "expires_at": t[0] + 30}, etag)
+        for h, (_, etag) in (("blue", read_blue), ("green", read_green))
+    ]
+    assert won == [True, False]
+    assert c.read_lock()["holder"] == "blue"
+    # creating a lease that exists fails the same way
+    assert not c.write_lock_if({"holder": "x", "token": "x", "expires_at": 0}, None)
+    t[0] += 31
+    assert green.acquire() and not blue.held() and not blue.acquire()
+    blue.release()  # not blue's: stays green's
+    assert green.held()
+    green.release()
+    assert not green.held() and blue.acquire()
+
+
+def test_lock_on_an_object_store_without_conditional_writes_is_write_then_read_back() -> None:
+    """fsspec's memory store stands for one with no If-Match: the later writer wins, the earlier
+    sees it lost."""
+    c = ControlStore(f"memory://ck-{secrets.token_hex(4)}", "s")
+    t = [100.0]
+    blue = StoreLock(c, "blue", 30, clock=lambda: t[0], settle_s=0)
+    green = StoreLock(c, "green", 30, clock=lambda: t[0], settle_s=0)
+    assert not c.conditional and not c.is_local
     assert blue.acquire() and not green.acquire()
     t[0] += 31
     assert green.acquire() and not blue.held() and not blue.acquire()
