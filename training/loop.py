@@ -196,9 +196,19 @@ def _setup(spec: RunSpec, world: int) -> tuple[Any, Any, Any]:
     groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=spec.lr)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=spec.lr, total_steps=spec.steps, pct_start=spec.warmup, anneal_strategy="cos"
+        optimizer,
+        max_lr=spec.lr,
+        total_steps=spec.steps,
+        pct_start=warmup_fraction(spec.warmup, spec.steps),
+        anneal_strategy="cos",
     )
     return model, optimizer, scheduler
+
+
+def warmup_fraction(warmup: float, steps: int) -> float:
+    """The share of steps spent warming up, with at least 1.5 of them: OneCycleLR divides by the
+    warm-up's length in steps minus one, so a short run (``--steps 10`` at 10%) would crash."""
+    return min(max(warmup, 1.5 / steps), 0.75)
 
 
 def quiet_worker_logs() -> None:

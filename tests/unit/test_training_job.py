@@ -66,3 +66,22 @@ def test_metrics_from_sums() -> None:
         "mean_token_loss": 2.0,
         "perplexity": pytest.approx(math.e**2),
     }
+
+
+@pytest.mark.parametrize("warmup", [0.0, 0.05, 0.1])
+def test_short_runs_get_a_schedule_that_steps(warmup: float) -> None:
+    """``--steps 10`` with the default 10% warm-up once crashed inside OneCycleLR (its warm-up was
+    one step long); every length from 1 step on runs its whole schedule."""
+    import torch
+
+    from training.loop import warmup_fraction
+
+    for steps in range(1, 60):
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=1e-3, total_steps=steps, pct_start=warmup_fraction(warmup, steps), anneal_strategy="cos"
+        )
+        for _ in range(steps - 1):
+            optimizer.step()
+            scheduler.step()
+        assert scheduler.get_last_lr()[0] < 1e-3 or steps <= 2
