@@ -43,7 +43,7 @@ class Stack:
 def _keys() -> dict[str, str]:
     from serving.gateway.admission.auth import new_key
 
-    names = ("main", "limited", "tokens", "hashed")
+    names = ("main", "limited", "tokens", "hashed", "admin")  # admin: the controller's, no tenant's
     saved = {n: os.environ.get(f"ITEST_KEY_{n.upper()}") for n in names}
     return {n: saved[n] or new_key() for n in names}
 

@@ -236,3 +236,25 @@ def test_two_adapters_promoted_at_once_under_load_each_end_where_they_should(
                     client.post(f"{stack.url}/v1/completions", json=body, headers=stack.headers()).json()["model"]
                 ] += 1
     assert after == Counter({f"sub-lora@{version}": 3, "max-lora@v1": 3}), after
+    _admin_endpoint_tells_both_outcomes(stack, version)
+
+
+def _admin_endpoint_tells_both_outcomes(stack: Stack, version: str) -> None:
+    """``GET /admin/promotions`` on the gateway replicas reads the record the controller wrote to
+    the S3 store: the admin key reads it, a tenant's key gets 403, none 401."""
+    with httpx.Client(timeout=60) as client:
+        url = f"{stack.url}/admin/promotions"
+        assert client.get(url).status_code == 401
+        denied = client.get(url, headers=stack.headers("main"))
+        assert denied.status_code == 403 and denied.json()["error"]["type"] == "permission_error", denied.text
+        everything = client.get(url, headers=stack.headers("admin"))
+        assert everything.status_code == 200, everything.text
+        by_model = {m["model"]: m for m in everything.json()["data"]}
+        assert {"live": [{"version": version, "weight": 100}]}.items() <= by_model["sub-lora"].items()
+        assert by_model["sub-lora"]["history"][0]["status"] == "promoted"
+        rolled = client.get(f"{url}/max-lora", headers=stack.headers("admin")).json()
+        assert rolled["live"] == [{"version": "v1", "weight": 100}] and rolled["active"] is None, rolled
+        last = rolled["history"][0]
+        assert (last["version"], last["status"]) == (version, "rolled_back") and "online eval" in last["reason"], last
+        assert last["steps"][-1]["phase"] == "rollback" and "online eval" in last["steps"][-1]["note"], last["steps"]
+        assert client.get(f"{url}/no-such-model", headers=stack.headers("admin")).status_code == 404
