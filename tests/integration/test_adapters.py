@@ -161,7 +161,9 @@ def test_loaded_first_routing_keeps_adapters_where_they_are_loaded(stack: Stack)
     aware, p2c = delta(loads, before_loads, "zipf", ""), delta(loads, before_loads, "p2c", "")
     missed = delta(leases, before_leases, "zipf", "miss")
     print(f"adapter loads: loaded_first {aware:.0f}, power_of_two {p2c:.0f}; loaded_first misses {missed:.0f}/{n}")
-    assert aware >= 3 and missed >= aware  # each adapter was loaded, by a request that missed
+    # each adapter was loaded, its first request a miss; loads can exceed misses when a
+    # replica's LRU evicts one that the gateway's view still shows (the next request reloads it)
+    assert aware >= 3 and missed >= 3
     assert missed <= 0.1 * n, (missed, n)  # >= 90% of requests on a replica that held the adapter
     assert p2c >= 1.5 * aware, (p2c, aware)
 
