@@ -271,21 +271,23 @@ class StoreLock:
         self.clock, self.settle_s, self.sleep = clock, settle_s, sleep
         self.token = secrets.token_hex(8)
 
+    def _claim(self, current: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The lease to write over ``current``, or None while another holder's has not expired."""
+        now = self.clock()
+        if current and current.get("token") != self.token and float(current.get("expires_at", 0)) > now:
+            return None
+        return {"holder": self.holder, "token": self.token, "expires_at": now + self.ttl_s}
+
     def acquire(self) -> bool:
         """Take or renew the lease; False if another holder's lease has not expired."""
         if self.store.conditional:
             current, etag = self.store.read_lock_tagged()
-            now = self.clock()
-            if current and current.get("token") != self.token and float(current.get("expires_at", 0)) > now:
-                return False
-            body = {"holder": self.holder, "token": self.token, "expires_at": now + self.ttl_s}
-            return self.store.write_lock_if(body, etag)
+            body = self._claim(current)
+            return body is not None and self.store.write_lock_if(body, etag)
         with self.store._mutex():
-            now = self.clock()
-            current = self.store.read_lock()
-            if current and current.get("token") != self.token and float(current.get("expires_at", 0)) > now:
+            body = self._claim(self.store.read_lock())
+            if body is None:
                 return False
-            body = {"holder": self.holder, "token": self.token, "expires_at": now + self.ttl_s}
             self.store._write("lock.json", json.dumps(body).encode())
         if not self.store.is_local:  # no mutex: the last writer wins, so look again
             self.sleep(self.settle_s)
