@@ -255,10 +255,7 @@ def stop_stack(name: str, log: Any = print) -> bool:
             poll(lambda: not serve_status(state).get("applications"), 60, 1)
         except httpx.HTTPError:
             pass
-        # The apps are gone (replicas drained, engines stopped); what is left is Ray's own daemons,
-        # whose SIGTERM shutdown took 35 s here (gcs_server and the autoscaler's monitor outlive
-        # the raylet), so they get 5 s, then SIGKILL: nothing of the stack's state lives in them.
-        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 5)):
             try:
                 os.killpg(state.ray_pid, sig)
             except ProcessLookupError:
