@@ -234,8 +234,7 @@ class ControlStore:
             etag = str(self.fs.info(path, refresh=True)["ETag"])
         except FileNotFoundError:
             return None, None
-        raw = self._read("lock.json")
-        return (None if raw is None else dict(json.loads(raw))), etag
+        return self.read_lock(), etag
 
     def write_lock_if(self, body: dict[str, Any], etag: str | None) -> bool:
         """Write the lease only if the object is still the one read under ``etag`` (``None``: only
