@@ -4,6 +4,8 @@
         [--requests 200] [--output-tokens 64] [--prompt-tokens 16] [--servers bare,rayllm,ours] \
         [--rounds 1]
     python -m loadtests.bench --model-dir DIR --out reports/prefix --prefix-routing
+    python -m loadtests.bench --model-dir DIR --out reports/kv --kv-routing \
+        [--routers power_of_two,prefix_affinity,kv_aware,vllm-router] [--workloads pressure,distinct]
 
 Each server is started, warmed up, measured at every concurrency with closed-loop streaming
 clients (fixed prompt and output lengths, ``ignore_eos``), and stopped before the next one starts.
@@ -14,7 +16,9 @@ from run to run, and the one measured second tends to do worse): the main table 
 figure's median over the rounds, and a second table each round's ratios to bare vLLM and their
 median. ``--prefix-routing`` instead runs this stack
 twice with two replicas, under ``router: prefix_affinity`` and ``router: power_of_two``, on long
-shared system prompts, and compares the two. See docs/performance.md for measured figures.
+shared system prompts, and compares the two. ``--kv-routing`` compares routers (ours and
+vllm-router) where prefixes overflow one engine's KV cache (:mod:`loadtests.kv_bench`). See
+docs/performance.md for measured figures.
 """
 
 from __future__ import annotations
@@ -338,7 +342,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefixes", type=int, default=8, help="prefix mode: shared system prompts")
     ap.add_argument("--prefix-chars", type=int, default=400, help="prefix mode: length of each")
     ap.add_argument("--ha", action="store_true", help="prefix mode: our stack in HAProxy ingress mode")
+    from loadtests import kv_bench
+
+    kv_bench.add_arguments(ap)
     a = ap.parse_args(argv)
+    kv_bench.check_arguments(ap, a)
     a.servers = [s.strip() for s in a.servers.split(",") if s.strip()]
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -389,6 +397,13 @@ def main(argv: list[str] | None = None) -> None:
     if model_info.exists():
         meta["model"] = json.loads(model_info.read_text())
     rounds: list[dict[str, Any]] = []
+    if a.kv_routing:
+        from loadtests import kv_bench
+
+        doc = kv_bench.run(a, model) | {"meta": meta | {"load_at_end": load_avg()}}
+        (a.out / "bench.json").write_text(json.dumps(doc, indent=2) + "\n")
+        print(kv_bench.report(doc, a.out) + f"\n\nwritten: {a.out / 'bench.json'}, {a.out / 'bench.md'}")
+        return
     if a.prefix_routing:
         results = run_prefix_routing(a, model)
         base, title = "power_of_two", f"prefix_affinity vs power_of_two ({a.prefixes} x {a.prefix_chars}-char prefixes)"

@@ -163,12 +163,13 @@ class Server:
         getattr(self, f"_start_{self.kind.split('-')[0]}")(timeout_s)
         wait_serving(self.base_url, self.api_key, self.model.name, timeout_s, self.proc)
         if self.kind == "bare":
-            self._pin_like_ours()
+            self.pin_like_ours()
 
-    def _pin_like_ours(self) -> None:
+    def pin_like_ours(self) -> None:
         """The placement our model server gives a single-process CPU engine (``ModelServer._pin``),
         so that bare vLLM runs the same engine deployment as ours: EngineCore on a core of its
-        own, the API server on the others."""
+        own, the API server on the others. Call it again once a second engine has claimed a core:
+        ours re-applies it as engines come and go."""
         spec = self.model.spec()
         if self.proc is None or not (spec.engine.pin_cores and single_process(spec)):
             return
@@ -209,7 +210,7 @@ class Server:
         if self.kind == "bare-mp":
             extra = {**spec.engine.extra_args, "distributed-executor-backend": "mp"}
             spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"extra_args": extra})})
-        self.api_key = secrets.token_urlsafe(16)
+        self.api_key = self.api_key or secrets.token_urlsafe(16)  # engines behind one router share one
         cmd = [sys.executable, *vllm_command(spec, "127.0.0.1", self.port)]
         with self._log() as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(

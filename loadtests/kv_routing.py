@@ -1,0 +1,206 @@
+"""The KV-routing benchmark's pure parts: its two workloads, the cache sizing, the engines'
+prefix-cache counters and the tables (no engine, no network; :mod:`loadtests.kv_bench` runs them).
+
+Workloads, in tokens of the benchmark models' character-level tokenizer (:mod:`loadtests.models`:
+one token per character, ``<bos>`` first), so that block boundaries are known exactly:
+
+- ``pressure``: each prompt is one of ``prefixes`` long shared prefixes, chosen at random, then a
+  short user turn unique to the request. ``<bos>`` plus a prefix fill exactly ``prefix_blocks``
+  KV blocks of :data:`BLOCK_TOKENS`, so every prefix block can be a cache hit and the user turn
+  never shares a block with it.
+- ``distinct``: prompts of the same length with nothing shared (each begins with its own index).
+
+Cache sizing: the prefixes' blocks together must exceed one engine's KV cache (so no engine can
+hold them all, and a router that spreads every prefix over both engines keeps evicting) but fit
+the engines' combined cache with room left for the blocks of the requests in flight (so a router
+that keeps each prefix on one engine can hit on nearly every request). :func:`size_cache` picks
+the block count per engine (vLLM's ``num_gpu_blocks_override``) and :class:`CacheSizing` checks
+both conditions.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from loadtests.workload import random_text
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "HITS",
+    "QUERIES",
+    "CacheSizing",
+    "counter_deltas",
+    "engine_counters",
+    "kv_table",
+    "level_row",
+    "median_levels",
+    "prompts",
+    "size_cache",
+]
+
+BLOCK_TOKENS = 128  # vLLM's KV block size on CPU (``block_size`` in its vllm:cache_config_info)
+HITS = "vllm:prefix_cache_hits_total"  # tokens served from the prefix cache (vLLM 0.32)
+QUERIES = "vllm:prefix_cache_queries_total"  # prompt tokens looked up in it
+WORKLOADS = ("pressure", "distinct")
+
+
+@dataclass(frozen=True)
+class CacheSizing:
+    """``prefixes`` shared prefixes of ``prefix_blocks`` full blocks each, against engines of
+    ``blocks_per_engine`` blocks."""
+
+    prefixes: int
+    prefix_blocks: int
+    blocks_per_engine: int
+    engines: int = 2
+    block_tokens: int = BLOCK_TOKENS
+
+    @property
+    def prefix_demand(self) -> int:
+        """Blocks that every prefix cached once takes."""
+        return self.prefixes * self.prefix_blocks
+
+    @property
+    def headroom(self) -> int:
+        """Blocks of the combined cache left over when every prefix is cached once."""
+        return self.engines * self.blocks_per_engine - self.prefix_demand
+
+    def problems(self, in_flight: int, max_model_len: int) -> list[str]:
+        """Why this sizing does not put the caches under pressure as intended (empty: it does).
+        ``in_flight``: requests running at once over all engines (each holds one block of its
+        own beyond the prefix); ``max_model_len``: vLLM refuses to start if one request of that
+        length does not fit an engine's cache."""
+        out = []
+        if self.prefix_demand <= self.blocks_per_engine:
+            out.append(f"the prefixes' {self.prefix_demand} blocks fit one engine's {self.blocks_per_engine}")
+        if self.headroom < in_flight:
+            out.append(
+                f"the prefixes' {self.prefix_demand} blocks leave {self.headroom} of the engines' "
+                f"{self.engines * self.blocks_per_engine} for {in_flight} requests in flight"
+            )
+        if self.blocks_per_engine * self.block_tokens < max_model_len:
+            out.append(
+                f"{self.blocks_per_engine} blocks of {self.block_tokens} tokens "
+                f"are fewer than max_model_len {max_model_len}"
+            )
+        return out
+
+
+def size_cache(prefixes: int, prefix_blocks: int, in_flight: int, engines: int = 2) -> int:
+    """Blocks per engine: the fewest that hold every prefix once over all engines plus one block
+    per request in flight, so that one engine holds well under all of them."""
+    return math.ceil((prefixes * prefix_blocks + in_flight) / engines)
+
+
+def prompts(workload: str, n: int, prefixes: int, prefix_blocks: int, user_chars: int, seed: int = 0) -> list[str]:
+    """``n`` prompts of ``workload`` (see the module docstring), the same for the same arguments.
+    Every prompt has ``prefix_blocks * BLOCK_TOKENS - 1 + user_chars`` characters."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r} (known: {', '.join(WORKLOADS)})")
+    rng = random.Random(seed)
+    prefix_chars = prefix_blocks * BLOCK_TOKENS - 1  # <bos> is the block's first token
+
+    def filled(head: str, chars: int) -> str:
+        return (head + random_text(rng, chars))[:chars]
+
+    if workload == "distinct":
+        return [filled(f"request {k}: ", prefix_chars + user_chars) for k in range(n)]
+    shared = [filled(f"system {i}: ", prefix_chars) for i in range(prefixes)]
+    return [rng.choice(shared) + filled(f"user {k}: ", user_chars) for k in range(n)]
+
+
+def engine_counters(metrics_text: str) -> dict[str, float]:
+    """The prefix-cache counters of one engine's ``/metrics`` (summed over label sets)."""
+    out = {HITS: 0.0, QUERIES: 0.0}
+    for line in metrics_text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def counter_deltas(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Per engine (by name) and in total, the prefix-cache hits and queries between two scrapes:
+    ``hit_rate`` (hit tokens / queried tokens) and ``query_share`` (the engine's part of all
+    queried tokens: 0.5 each is an even split over two engines)."""
+    engines: dict[str, dict[str, float]] = {}
+    for name in sorted(after):
+        b = before.get(name, {})
+        hits = after[name].get(HITS, 0.0) - b.get(HITS, 0.0)
+        queries = after[name].get(QUERIES, 0.0) - b.get(QUERIES, 0.0)
+        engines[name] = {"hits": hits, "queries": queries}
+    total_q = sum(e["queries"] for e in engines.values())
+    total_h = sum(e["hits"] for e in engines.values())
+    for e in engines.values():
+        e["hit_rate"] = e["hits"] / e["queries"] if e["queries"] else 0.0
+        e["query_share"] = e["queries"] / total_q if total_q else 0.0
+    return {
+        "engines": engines,
+        "hit_rate": total_h / total_q if total_q else 0.0,
+        "max_query_share": max((e["query_share"] for e in engines.values()), default=0.0),
+    }
+
+
+def level_row(level: dict[str, Any], cache: dict[str, Any]) -> dict[str, Any]:
+    """One measured level (``LevelResult.as_dict()``) with its prefix-cache deltas."""
+    return {**level, "prefix_hit_rate": cache["hit_rate"], "max_query_share": cache["max_query_share"], "cache": cache}
+
+
+def median_levels(per_round: list[dict[str, Any]]) -> dict[str, Any]:
+    """One level's row over several rounds: the median of every numeric figure (failures summed),
+    each round's requests/s and TTFT p50 kept."""
+    out: dict[str, Any] = {"rounds": len(per_round)}
+    for key, first in per_round[0].items():
+        values = [r.get(key) for r in per_round]
+        if isinstance(first, bool) or not all(isinstance(v, (int, float)) for v in values):
+            continue
+        out[key] = sum(values) if key == "failures" else statistics.median(values)
+    out["concurrency"] = per_round[0]["concurrency"]
+    out["requests_per_s_rounds"] = [r["requests_per_s"] for r in per_round]
+    out["ttft_p50_ms_rounds"] = [r.get("ttft_p50_ms") for r in per_round]
+    return out
+
+
+def _split(row: dict[str, Any]) -> str:
+    engines = (row.get("cache") or {}).get("engines") or {}
+    if not engines:
+        return "-"
+    return " / ".join(f"{e['query_share']:.0%} q, {e['hit_rate']:.0%} hit" for e in engines.values())
+
+
+def kv_table(results: dict[str, dict[str, list[dict[str, Any]]]], base: str = "power_of_two") -> str:
+    """Markdown table: per workload, router and concurrency, requests/s and TTFT p50 (each with
+    its ratio to ``base``), TTFT p99, ITL p50, the engines' prefix-cache hit rate, and per engine
+    its share of the queried tokens and its own hit rate (the last only for a single round)."""
+
+    def ratio(v: float | None, b: float | None) -> str:
+        return f" ({v / b:.2f}x)" if v is not None and b else ""
+
+    head = (
+        "| workload | router | conc | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | prefix hits "
+        "| busier engine's share | per engine | failures |"
+    )
+    lines = [head, "|" + "---|" * 11]
+    workloads = [w for w in WORKLOADS if any(w in per for per in results.values())]
+    for w in workloads:
+        for router, per in results.items():
+            ref = {r["concurrency"]: r for r in results.get(base, {}).get(w, [])}
+            for row in per.get(w, []):
+                b = ref.get(row["concurrency"], {}) if router != base else {}
+                rps, ttft = row["requests_per_s"], row.get("ttft_p50_ms")
+                cells = [
+                    f"{rps:.2f}{ratio(rps, b.get('requests_per_s'))}",
+                    f"{ttft or 0:.0f}{ratio(ttft, b.get('ttft_p50_ms'))}",
+                    f"{row.get('ttft_p99_ms') or 0:.0f}",
+                    f"{row.get('itl_p50_ms') or 0:.2f}",
+                    f"{row.get('prefix_hit_rate', 0):.0%}",
+                    f"{row.get('max_query_share', 0):.0%}",
+                    _split(row),
+                    str(row.get("failures", 0)),
+                ]
+                lines.append(f"| {w} | {router} | {row['concurrency']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""The KV-routing benchmark's pure parts (loadtests.kv_routing): workloads, cache sizing, the
+engines' prefix-cache counters and the table. No engine is started."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtests.kv_routing import (
+    BLOCK_TOKENS,
+    HITS,
+    QUERIES,
+    CacheSizing,
+    counter_deltas,
+    engine_counters,
+    kv_table,
+    level_row,
+    median_levels,
+    prompts,
+    size_cache,
+)
+
+
+def test_pressure_prompts_share_block_aligned_prefixes_and_unique_user_turns() -> None:
+    ps = prompts("pressure", 200, prefixes=5, prefix_blocks=2, user_chars=24, seed=1)
+    prefix_chars = 2 * BLOCK_TOKENS - 1  # with <bos>, exactly two blocks
+    assert all(len(p) == prefix_chars + 24 for p in ps)
+    heads = {p[:prefix_chars] for p in ps}
+    assert len(heads) == 5  # every prefix drawn, none other
+    assert len({h[: BLOCK_TOKENS - 1] for h in heads}) == 5  # distinct from their first block on
+    assert len({p[prefix_chars:] for p in ps}) == 200  # the user turn never repeats
+    assert ps == prompts("pressure", 200, prefixes=5, prefix_blocks=2, user_chars=24, seed=1)  # same sequence
+
+
+def test_distinct_prompts_share_no_block() -> None:
+    ps = prompts("distinct", 50, prefixes=5, prefix_blocks=2, user_chars=24)
+    assert all(len(p) == 2 * BLOCK_TOKENS - 1 + 24 for p in ps)
+    assert len({p[: BLOCK_TOKENS - 1] for p in ps}) == 50
+    with pytest.raises(ValueError, match="unknown workload"):
+        prompts("mixed", 1, 1, 1, 1)
+
+
+def test_cache_sizing_overflows_one_engine_and_fits_both() -> None:
+    blocks = size_cache(prefixes=14, prefix_blocks=8, in_flight=8)
+    assert blocks == 60  # (112 + 8) / 2
+    sizing = CacheSizing(14, 8, blocks)
+    assert sizing.prefix_demand == 112 and sizing.headroom == 8
+    assert sizing.problems(in_flight=8, max_model_len=1152) == []
+    assert "fit one engine" in CacheSizing(4, 8, 60).problems(8, 1152)[0]
+    assert "for 8 requests in flight" in CacheSizing(15, 8, 60).problems(8, 1152)[0]
+    assert "fewer than max_model_len 2048" in CacheSizing(14, 8, 12).problems(0, 2048)[-1]
+
+
+METRICS = """# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="bench"} 2304.0
+vllm:prefix_cache_hits_created{engine="0",model_name="bench"} 1.79e+09
+vllm:prefix_cache_queries_total{engine="0",model_name="bench"} 3400.0
+vllm:external_prefix_cache_hits_total{engine="0",model_name="bench"} 7.0
+"""
+
+
+def test_engine_counters_read_vllms_prefix_cache_counters_only() -> None:
+    assert engine_counters(METRICS) == {HITS: 2304.0, QUERIES: 3400.0}
+    assert engine_counters("") == {HITS: 0.0, QUERIES: 0.0}
+
+
+def test_counter_deltas_give_hit_rate_and_split_per_engine() -> None:
+    before = {"a": {HITS: 100.0, QUERIES: 200.0}, "b": {HITS: 0.0, QUERIES: 0.0}}
+    after = {"a": {HITS: 400.0, QUERIES: 600.0}, "b": {HITS: 0.0, QUERIES: 1200.0}}
+    d = counter_deltas(before, after)
+    assert d["engines"]["a"] == {"hits": 300.0, "queries": 400.0, "hit_rate": 0.75, "query_share": 0.25}
+    assert d["engines"]["b"]["query_share"] == 0.75 and d["engines"]["b"]["hit_rate"] == 0.0
+    assert d["hit_rate"] == 300 / 1600 and d["max_query_share"] == 0.75
+    idle = counter_deltas(after, after)
+    assert idle["hit_rate"] == 0.0 and idle["max_query_share"] == 0.0
+
+
+def _row(rps: float, ttft: float, hits: float, conc: int = 8) -> dict[str, object]:
+    level = {"concurrency": conc, "requests_per_s": rps, "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft}
+    level |= {"itl_p50_ms": 5.0, "failures": 0, "errors": []}
+    cache = counter_deltas(
+        {"e0": {HITS: 0.0, QUERIES: 0.0}, "e1": {HITS: 0.0, QUERIES: 0.0}},
+        {"e0": {HITS: hits, QUERIES: 100.0}, "e1": {HITS: hits, QUERIES: 100.0}},
+    )
+    return level_row(level, cache)
+
+
+def test_median_levels_and_table() -> None:
+    rounds = [_row(10.0, 100.0, 50.0), _row(12.0, 300.0, 70.0), _row(11.0, 200.0, 60.0)]
+    m = median_levels(rounds)
+    assert m["requests_per_s"] == 11.0 and m["ttft_p50_ms"] == 200.0 and m["prefix_hit_rate"] == 0.6
+    assert m["requests_per_s_rounds"] == [10.0, 12.0, 11.0] and m["rounds"] == 3 and m["concurrency"] == 8
+    results = {
+        "power_of_two": {"pressure": [_row(10.0, 400.0, 50.0)], "distinct": [_row(5.0, 900.0, 0.0)]},
+        "vllm-router": {"pressure": [_row(10.5, 100.0, 95.0)]},
+    }
+    table = kv_table(results).splitlines()
+    assert table[0].startswith("| workload | router | conc | req/s | TTFT p50 ms")
+    assert table[2].startswith("| pressure | power_of_two | 8 | 10.00 | 400 | 800 | 5.00 | 50% | 50% |")
+    assert "| pressure | vllm-router | 8 | 10.50 (1.05x) | 100 (0.25x) |" in table[3]
+    assert "50% q, 95% hit / 50% q, 95% hit" in table[3]
+    assert table[4].startswith("| distinct | power_of_two | 8 | 5.00 | 900 |")
+    assert len(table) == 5
