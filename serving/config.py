@@ -142,7 +142,7 @@ class AutoscalingConfig(_Strict):
         return self
 
 
-RouterName = Literal["power_of_two", "prefix_affinity", "session_affinity"]
+RouterName = Literal["power_of_two", "prefix_affinity", "session_affinity", "kv_aware"]
 AdapterRouting = Literal["loaded_first", "power_of_two"]
 
 
@@ -158,7 +158,9 @@ class DeploymentOptions(_Strict):
         256, ge=1, description="Requests waiting per gateway for a replica; beyond that: 429."
     )
     router: RouterName = Field(
-        "power_of_two", description="Replica choice: power_of_two, prefix_affinity or session_affinity."
+        "power_of_two",
+        description="Replica choice: power_of_two, prefix_affinity, session_affinity or kv_aware (the replica "
+        "whose engine reports the longest cached prefix of the request's tokens, traded off against load).",
     )
     cpus_per_rank: float = Field(1.0, gt=0, description="CPU reserved per TP/PP rank.")
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs per rank (0 = CPU engine).")
@@ -344,6 +346,15 @@ class ModelConfig(_Strict):
             raise ValueError(f"an adapter has its base's {theirs}: set them on {self.base!r}")
         if any(v.recipe and v.recipe.method != "lora" for v in self.versions):
             raise ValueError("an adapter's recipes train with method lora")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_aware(self) -> ModelConfig:
+        if self.deployment.router == "kv_aware":
+            if self.engine.runner != "generate":
+                raise ValueError("router kv_aware routes by prompt blocks: a generate model only")
+            if not self.engine.enable_prefix_caching:
+                raise ValueError("router kv_aware needs engine.enable_prefix_caching")
         return self
 
     @model_validator(mode="after")

@@ -12,6 +12,10 @@ tells gateways where that server is in two ways, and both carry the types define
 - **A lease**: the model replica's streaming Serve method ``lease(hint)`` yields its
   :class:`Endpoint` and stays open while the request runs. :class:`LeaseHint` is what Serve's
   request routers may look at.
+- **A KV-block stream** (``router: kv_aware``): a record's ``events`` URL, guarded by the same
+  token, streams which prompt blocks the replica's engine holds in its prefix cache, as keys of
+  :func:`block_keys` (hashes, never tokens or text); the gateway computes the same keys from each
+  request's tokens (:mod:`serving.gateway.kv_index`).
 
 ``RUNNING_REQUESTS_KEY`` is the key both kinds of replica report their load under to Serve's
 autoscaler (``record_autoscaling_stats``).
@@ -19,8 +23,11 @@ autoscaler (``record_autoscaling_stats``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,10 +41,13 @@ __all__ = [
     "REFRESH_S",
     "RUNNING_REQUESTS_KEY",
     "UP",
+    "BlockKey",
     "Endpoint",
     "LeaseHint",
     "RayKV",
     "Record",
+    "block_keys",
+    "chain_key",
     "publish",
     "read_records",
     "withdraw",
@@ -60,11 +70,12 @@ class LeaseHint:
     """What request routers may look at. ``prompt`` is set only for prefix-affinity routing
     (ray.serve.llm's PrefixCacheAffinityRouter reads ``.prompt``); ``session_id`` for session
     affinity; ``adapter`` (``name@version``) for a request to a LoRA adapter, which the replica
-    registers with its engine before it yields its endpoint."""
+    registers with its engine before it yields its endpoint; ``blocks`` for ``router: kv_aware``."""
 
     prompt: str | None = None
     session_id: str | None = None
     adapter: str | None = None
+    blocks: tuple[BlockKey, ...] | None = None  # router kv_aware: the prompt's block keys (the gateway's own pick)
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,31 @@ class Endpoint:
     url: str
     token: str
     replica: str
+
+
+BlockKey = int  # 64 bits of a block's chained hash
+
+
+def chain_key(parent: BlockKey | None, adapter: str | None, tokens: Sequence[int]) -> BlockKey:
+    """The key of one full KV block: a hash of the previous block's key, the LoRA adapter the
+    engine computed it for (vLLM keeps an adapter's blocks apart) and the block's token ids."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent or 0).to_bytes(8, "little"))
+    h.update((adapter or "").encode())
+    h.update(b"\x00")
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def block_keys(tokens: Sequence[int], block_size: int, adapter: str | None = None) -> list[BlockKey]:
+    """The keys of the full blocks of a prompt's tokens, in order (a partial last block is not
+    cached by the engine, so it has none)."""
+    keys: list[BlockKey] = []
+    parent: BlockKey | None = None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = chain_key(parent, adapter, tokens[start : start + block_size])
+        keys.append(parent)
+    return keys
 
 
 class KV(Protocol):
@@ -113,7 +149,8 @@ class RayKV:
 class Record:
     """One replica's endpoint. ``seq`` counts its heartbeats (only a change matters to readers);
     ``state`` is ``up``, or ``hung`` when the replica found its engine making no progress;
-    ``adapters``: the LoRA adapters registered with its engine now (``name@version``)."""
+    ``adapters``: the LoRA adapters registered with its engine now (``name@version``);
+    ``events``: the URL of its KV-block stream ("" when its engine publishes none)."""
 
     app: str
     replica: str
@@ -122,6 +159,7 @@ class Record:
     seq: int
     state: str = UP
     adapters: frozenset[str] = frozenset()
+    events: str = ""
 
 
 def _key(app: str, replica: str) -> str:
@@ -129,9 +167,17 @@ def _key(app: str, replica: str) -> str:
 
 
 def publish(
-    kv: KV, app: str, replica: str, url: str, token: str, seq: int, state: str = UP, adapters: tuple[str, ...] = ()
+    kv: KV,
+    app: str,
+    replica: str,
+    url: str,
+    token: str,
+    seq: int,
+    state: str = UP,
+    adapters: tuple[str, ...] = (),
+    events: str = "",
 ) -> None:
-    record = {"url": url, "token": token, "seq": seq, "state": state, "adapters": list(adapters)}
+    record = {"url": url, "token": token, "seq": seq, "state": state, "adapters": list(adapters), "events": events}
     kv.put(_key(app, replica), json.dumps(record).encode())
 
 
@@ -146,9 +192,8 @@ def read_records(kv: KV) -> list[Record]:
         try:
             v = json.loads(raw)
             adapters = frozenset(str(a) for a in v.get("adapters", ()))
-            out.append(
-                Record(app, replica, str(v["url"]), str(v["token"]), int(v["seq"]), str(v.get("state", UP)), adapters)
-            )
+            state, events = str(v.get("state", UP)), str(v.get("events", ""))
+            out.append(Record(app, replica, str(v["url"]), str(v["token"]), int(v["seq"]), state, adapters, events))
         except (ValueError, KeyError, TypeError):
             logger.warning("ignoring an unreadable endpoint record %s", key)
     return out

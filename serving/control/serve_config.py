@@ -231,6 +231,7 @@ def _model_application(
         shutdown_grace_s=cfg.shutdown.grace_s,
         secret_env=sorted({t.key_env for t in cfg.auth.tenants if t.key_env} | _admin_env(cfg)),
         lora=lora,
+        kv_events=m.deployment.router == "kv_aware",
     )
     adapters = adapter_sources(cfg, m, v, base, bases) if lora else None
     return {

@@ -26,6 +26,7 @@ from serving.errors import (
 )
 from serving.gateway.admission.auth import Authenticator, Tenant
 from serving.gateway.admission.quota import QuotaClient
+from serving.gateway.kv_index import KVFeeds
 from serving.gateway.migration import Plan, blocker
 from serving.gateway.protocol import Forwardable, ParsedRequest, usage_of
 from serving.gateway.relay import Leaser, Observer, RetryBudget, Upstream, UpstreamResult, forward
@@ -140,8 +141,10 @@ class GatewayCore:
         replica_id: str = "",
         set_request_id_header: bool = True,
         response_store_actor: Any = None,
+        kv: KVFeeds | None = None,
     ) -> None:
         self.settings = settings
+        self.kv = kv  # router kv_aware: the engines' cached blocks and the apps' tokenizers
         # the shared store of Responses (serving.gateway.conversations); made on first use when None
         self.response_store_actor = response_store_actor
         self.replica_id = replica_id  # named in x-gateway-replica when expose_replica_header is on
@@ -203,8 +206,13 @@ class GatewayCore:
     def hint_for(self, resolved: Resolved, parsed: Forwardable, session_id: str | None) -> LeaseHint:
         router = resolved.model.router
         adapter = resolved.version.adapter
+        blocks = None
+        if router == "kv_aware" and self.kv is not None:
+            blocks = self.kv.keys(resolved.version.app, parsed.kind, parsed.body, adapter)
         if adapter is not None:  # the base replicas that hold the adapter come first
-            return LeaseHint(adapter=adapter)
+            return LeaseHint(adapter=adapter, blocks=blocks)
+        if blocks is not None:
+            return LeaseHint(blocks=blocks)
         if router == "prefix_affinity":
             # ray.serve.llm's prefix router divides by the prompt's length and fails on None: a
             # request without leading text (content parts, /detokenize) would never be routed

@@ -40,7 +40,9 @@ class Gateway:
         replica = str(serve.get_replica_context().replica_tag)
         self.leases = ReplicaFinder(direct=cfg.replica_routing == "direct")
         # behind Serve's proxy, the proxy sets x-request-id; the listener sets it itself
-        self.core = GatewayCore(cfg, self.leases, GatewayMetrics(), replica_id=replica, set_request_id_header=False)
+        self.core = GatewayCore(
+            cfg, self.leases, GatewayMetrics(), replica_id=replica, set_request_id_header=False, kv=self.leases.feeds
+        )
         self._listener = None
         if cfg.ingress == "listener":
             from serving.gateway.listener import Listener

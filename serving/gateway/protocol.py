@@ -49,6 +49,9 @@ class Forwardable(Protocol):
     def kind(self) -> str: ...
 
     @property
+    def body(self) -> dict[str, Any]: ...
+
+    @property
     def model(self) -> str | None: ...
 
     @property

@@ -30,6 +30,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 from ray import serve
@@ -37,8 +38,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from serving.contract import KV, REFRESH_S, UP, Endpoint, LeaseHint, RayKV, Record, read_records, withdraw
+from serving.contract import KV, REFRESH_S, UP, BlockKey, Endpoint, LeaseHint, RayKV, Record, read_records, withdraw
 from serving.errors import unavailable
+from serving.gateway.kv_index import LOAD_BLOCKS, KVFeeds, KVIndex
 
 logger = logging.getLogger("serving.gateway")
 
@@ -129,6 +131,7 @@ class EndpointTable:
         self._readable_since: float | None = None  # good reads without a gap since then
         self._last_read: float | None = None
         self.loaded = False  # records were read at least once
+        self.kv_index: KVIndex | None = None  # router kv_aware: the engines' cached blocks
 
     def read_failed(self) -> None:
         """Reading the store failed: until it has been read again for ``stale_s``, nothing is stale."""
@@ -176,25 +179,48 @@ class EndpointTable:
         return [key for key in self._changed if self.quiet_s(*key, now) > PURGE_S]
 
     def pick(
-        self, app: str, limit: int = 0, now: float | None = None, adapter: str | None = None
+        self,
+        app: str,
+        limit: int = 0,
+        now: float | None = None,
+        adapter: str | None = None,
+        blocks: Sequence[BlockKey] | None = None,
     ) -> DirectLease | None:
         """Power of two choices over ``app``'s live replicas by this gateway's in-flight counts;
         None when it has none (cold, not yet seen) or both choices are at ``limit`` (then
         Serve's router queues the request). With ``adapter``, only the replicas whose record
-        lists it (registered with their engine): None when none does."""
+        lists it (registered with their engine): None when none does. With ``blocks`` (the
+        request's block keys, ``router: kv_aware``), the replica with the best
+        ``matched blocks - LOAD_BLOCKS x in-flight``, fewer in flight on a tie."""
         now = time.monotonic() if now is None else now
         reps = [r for r in self._by_app.get(app, {}).values() if self._failed_until.get(r.replica, 0) <= now]
         if adapter is not None:
             reps = [r for r in reps if adapter in r.adapters]
         if not reps:
             return None
-        pair = self._rng.sample(reps, 2) if len(reps) > 1 else reps
-        best = min(pair, key=lambda r: self.in_flight(r.replica))
+        if blocks and self.kv_index is not None:
+            best = self._by_cache(app, reps, blocks, now)
+        else:
+            pair = self._rng.sample(reps, 2) if len(reps) > 1 else reps
+            best = min(pair, key=lambda r: self.in_flight(r.replica))
         if limit and self.in_flight(best.replica) >= limit:
             return None
+        if blocks and self.kv_index is not None:
+            self.kv_index.routed(app, best.replica, blocks, now)
         lease = DirectLease(self, best)
         self._leases.setdefault(best.replica, set()).add(lease)
         return lease
+
+    def _by_cache(self, app: str, reps: list[Record], blocks: Sequence[BlockKey], now: float) -> Record:
+        index = self.kv_index
+        assert index is not None
+        self._rng.shuffle(reps)  # ties beyond load go anywhere
+
+        def score(r: Record) -> tuple[float, int]:
+            load = self.in_flight(r.replica)
+            return index.matched(app, r.replica, blocks, now) - LOAD_BLOCKS * load, -load
+
+        return max(reps, key=score)
 
     def in_flight(self, replica: str) -> int:
         return len(self._leases.get(replica, ()))
@@ -208,12 +234,18 @@ class EndpointTable:
         if failed:
             self._failed_until[lease.replica] = time.monotonic() + self.failed_s
 
-    async def refresh_forever(self, kv: KV, period_s: float = REFRESH_S) -> None:
-        """Gateway background task: re-read the records every ``period_s``; delete the expired."""
+    def live(self) -> list[Record]:
+        return [r for reps in self._by_app.values() for r in reps.values()]
+
+    async def refresh_forever(self, kv: KV, period_s: float = REFRESH_S, feeds: KVFeeds | None = None) -> None:
+        """Gateway background task: re-read the records every ``period_s``; delete the expired;
+        follow the KV-block streams of the live records (``feeds``)."""
         while True:
             try:
                 records = await asyncio.to_thread(read_records, kv)
                 dead = self.update(records)
+                if feeds is not None:
+                    feeds.sync(self.live())
                 if dead:
                     logger.warning("model replicas without heartbeat or hung (dropped): %s", dead)
                 for app, replica in self.expired():
@@ -270,6 +302,10 @@ class ReplicaFinder:
     def __init__(self, direct: bool = False, kv: KV | None = None) -> None:
         self._handles: dict[str, DeploymentHandle[Any]] = {}
         self.table = EndpointTable() if direct else None
+        # router kv_aware picks among the published endpoints: only with direct routing
+        self.feeds = KVFeeds() if direct else None
+        if self.table is not None and self.feeds is not None:
+            self.table.kv_index = self.feeds.index
         self._kv = kv
         self._refresher: asyncio.Task[None] | None = None
 
@@ -277,11 +313,13 @@ class ReplicaFinder:
         """Start reading endpoints (in the replica's event loop; ``Gateway.reconfigure`` calls it
         before the first request, as Serve applies the user_config before serving)."""
         if self.table is not None and self._refresher is None:
-            self._refresher = asyncio.ensure_future(self.table.refresh_forever(self._kv or RayKV()))
+            self._refresher = asyncio.ensure_future(self.table.refresh_forever(self._kv or RayKV(), feeds=self.feeds))
 
     def stop(self) -> None:
         if self._refresher is not None:
             self._refresher.cancel()
+        if self.feeds is not None:
+            self.feeds.stop()
 
     def _handle(self, app: str) -> DeploymentHandle[Any]:
         h = self._handles.get(app)
@@ -299,7 +337,7 @@ class ReplicaFinder:
         whose ``lease`` registers it. Without ``loaded_first``, Serve's router picks any replica."""
         direct = hint.prompt is None and hint.session_id is None and (hint.adapter is None or loaded_first)
         if self.table is not None and direct:
-            picked = self.table.pick(app, limit, adapter=hint.adapter)
+            picked = self.table.pick(app, limit, adapter=hint.adapter, blocks=hint.blocks)
             if picked is not None:
                 return picked
         handle = self._handle(app)

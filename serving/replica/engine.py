@@ -67,6 +67,7 @@ class EngineSpec(BaseModel):
     shutdown_grace_s: float = 60  # Serve's graceful_shutdown_timeout_s: the replica's drain fits in it
     secret_env: list[str] = []  # variables the engine must not inherit (the tenants' key_env)
     lora: LoraSlots | None = None  # a base of adapters: vLLM's LoRA flags (serving.replica.adapters)
+    kv_events: bool = False  # router kv_aware: the engine publishes KV events (serving.replica.kv_events)
 
     @property
     def world_size(self) -> int:
@@ -145,10 +146,11 @@ def engine_args(spec: EngineSpec) -> dict[str, str | int | float | bool]:
 GUARD = "serving.replica.engine_guard.RequireToken"
 
 
-def vllm_command(spec: EngineSpec, host: str, port: int) -> list[str]:
+def vllm_command(spec: EngineSpec, host: str, port: int, kv_events: str | None = None) -> list[str]:
     """Arguments after ``python`` that start vLLM's OpenAI server for this spec. No secret is
     among them (``ps`` shows them to every local user): the token travels in the environment
-    (:func:`vllm_env`) and :mod:`serving.replica.engine_guard` requires it on every route."""
+    (:func:`vllm_env`) and :mod:`serving.replica.engine_guard` requires it on every route.
+    ``kv_events``: vLLM's ``--kv-events-config`` (:func:`serving.replica.kv_events.kv_events_config`)."""
     args = [
         "-m",
         VLLM_SERVER_MODULE,
@@ -171,6 +173,8 @@ def vllm_command(spec: EngineSpec, host: str, port: int) -> list[str]:
         args += ["--distributed-executor-backend", "uni"]
     if spec.engine.tool_call_parser:  # a server option, not an engine argument
         args += ["--enable-auto-tool-choice", "--tool-call-parser", spec.engine.tool_call_parser]
+    if kv_events:
+        args += ["--kv-events-config", kv_events]
     for key, value in engine_args(spec).items():
         if value is True:
             args.append(_flag(key))

@@ -3,6 +3,8 @@
 - ``power_of_two``: Ray Serve's default (two random replicas, the shorter queue wins).
 - ``prefix_affinity``: ``ray.serve.llm``'s PrefixCacheAffinityRouter, reused as it is; the lease
   carries the leading prompt text in ``LeaseHint.prompt``, which that router reads.
+- ``kv_aware``: chosen in the gateway from the engines' KV events (:mod:`serving.gateway.kv_index`);
+  a request it leases through Serve (a cold app) gets Serve's default.
 - ``session_affinity``: below; one ``x-session-id`` always goes to the same live replica
   (rendezvous hashing, so a scale event moves only the sessions of the replica that changed).
 """
@@ -20,6 +22,7 @@ ROUTER_CLASSES = {
     "power_of_two": None,
     "prefix_affinity": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
     "session_affinity": "serving.replica.routers:SessionAffinityRouter",
+    "kv_aware": None,  # picked by the gateway (serving.gateway.kv_index); Serve's default when it leases
 }
 
 

@@ -37,6 +37,7 @@ from serving import contract
 from serving.contract import RUNNING_REQUESTS_KEY, Endpoint, LeaseHint
 from serving.replica.adapters import AdapterSet, Registered
 from serving.replica.engine import EngineSpec, engine_environ, single_process, verified_spec, vllm_command
+from serving.replica.kv_events import KVEventRelay
 from serving.replica.liveness import PROGRESS_COUNTERS, StallWatch
 from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid
 from serving.waiting import poll
@@ -156,7 +157,10 @@ class ModelServer:
         gpus = _placement_group_gpus(self.spec)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus
-        cmd = [sys.executable, *vllm_command(self.spec, self.host, self.port)]
+        # router kv_aware: the engine publishes KV events on a private ipc socket, relayed as block keys
+        self.relay = KVEventRelay(self.token, self.spec.path) if self.spec.kv_events else None
+        kv_config = self.relay.config if self.relay else None
+        cmd = [sys.executable, *vllm_command(self.spec, self.host, self.port, kv_config)]
         logger.info("starting vLLM for %s@%s on port %d", self.spec.model, self.spec.version, self.port)
         # New session: the engine's processes die with it when we stop it (killpg).
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
@@ -215,7 +219,8 @@ class ModelServer:
             state = contract.HUNG if self._hung else contract.UP
             held = self.adapters.names if self.adapters else ()
             ep = self.endpoint
-            contract.publish(self._kv, self.app, self.replica, ep.url, ep.token, self._seq, state, held)
+            events = self.relay.url if self.relay else ""
+            contract.publish(self._kv, self.app, self.replica, ep.url, ep.token, self._seq, state, held, events)
 
     def _published_soon(self) -> None:
         """The registered adapters changed: publish the record now, not at the next heartbeat."""
@@ -314,6 +319,17 @@ class ModelServer:
         if not self._tasks:
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._scrape_forever()), loop.create_task(self._heartbeat_forever())]
+            if self.relay is not None:
+                self._tasks.append(loop.create_task(self._start_relay()))
+
+    async def _start_relay(self) -> None:
+        """Serve the KV-block stream; the next heartbeat publishes its URL in the record."""
+        assert self.relay is not None
+        try:
+            await self.relay.start(self.host, free_port(self.host))
+            logger.info("KV-block stream of %s at %s", self.replica, self.relay.url)
+        except Exception:  # noqa: BLE001 - without it the gateways route this replica by load only
+            logger.exception("cannot serve the KV-block stream")
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The engine's running + waiting requests: with direct routing Serve does not see the
@@ -374,6 +390,9 @@ class ModelServer:
             raise RuntimeError(f"vLLM /health answered {resp.status_code}")
 
     def _stop(self) -> None:
+        relay = getattr(self, "relay", None)
+        if relay is not None:
+            relay.close_sync()  # the engine's sockets go with it
         if self.proc.poll() is None and getattr(self, "_hung", None):
             try:  # a stopped or stuck engine would not act on SIGTERM
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -414,6 +433,9 @@ class ModelServer:
             except Exception as exc:  # noqa: BLE001 - stop anyway
                 logger.warning("draining %s: %s", self.replica, exc)
         self._stop()
+        relay = getattr(self, "relay", None)
+        if relay is not None:
+            await relay.stop()
 
 
 def _multiplexed(adapters: AdapterSet, per_replica: int) -> Any:
