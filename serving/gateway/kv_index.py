@@ -10,7 +10,8 @@ first line of each stream, so every gateway's index converges on what the engine
 Per request the gateway tokenizes the prompt with the model's own tokenizer and chat template
 (fetched once per app from a replica, :class:`Prompts`), computes the block keys, and
 :meth:`serving.gateway.replicas.EndpointTable.pick` chooses the replica with the best
-``matched blocks - LOAD_BLOCKS x in-flight requests``. A block this gateway has just routed
+``matched blocks - LOAD_BLOCKS x in-flight requests`` (ties: fewer in flight, then fewer blocks
+held, so new prefixes spread over the caches). A block this gateway has just routed
 counts as held on that replica for ``PENDING_S``, until the engine's own event arrives, so a burst
 of one new prefix is not spread over every replica before the first prefill ends.
 """

@@ -191,7 +191,8 @@ class EndpointTable:
         Serve's router queues the request). With ``adapter``, only the replicas whose record
         lists it (registered with their engine): None when none does. With ``blocks`` (the
         request's block keys, ``router: kv_aware``), the replica with the best
-        ``matched blocks - LOAD_BLOCKS x in-flight``, fewer in flight on a tie."""
+        ``matched blocks - LOAD_BLOCKS x in-flight``; on a tie the one with fewer in flight, then
+        the one holding fewer blocks (a new prefix goes where the cache has most room)."""
         now = time.monotonic() if now is None else now
         reps = [r for r in self._by_app.get(app, {}).values() if self._failed_until.get(r.replica, 0) <= now]
         if adapter is not None:
@@ -216,9 +217,10 @@ class EndpointTable:
         assert index is not None
         self._rng.shuffle(reps)  # ties beyond load go anywhere
 
-        def score(r: Record) -> tuple[float, int]:
+        def score(r: Record) -> tuple[float, int, int]:
             load = self.in_flight(r.replica)
-            return index.matched(app, r.replica, blocks, now) - LOAD_BLOCKS * load, -load
+            matched = index.matched(app, r.replica, blocks, now)
+            return matched - LOAD_BLOCKS * load, -load, -index.blocks_held(app, r.replica)
 
         return max(reps, key=score)
 

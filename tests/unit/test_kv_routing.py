@@ -114,6 +114,14 @@ def test_one_hot_prefix_spills_to_another_replica_under_load() -> None:
     assert "r2" in where and abs(where.count("r1") - where.count("r2")) <= 2, where
 
 
+def test_a_new_prefix_goes_where_the_cache_holds_least() -> None:
+    table, index = _table("r1", "r2")
+    index.reset("m", "r1", BS, block_keys(list(range(100, 140)), BS))
+    index.reset("m", "r2", BS, block_keys(list(range(200, 208)), BS))
+    lease = table.pick("m", blocks=block_keys(list(range(8)), BS), now=1)
+    assert lease is not None and lease.replica == "r2"
+
+
 def test_without_keys_or_a_match_the_pick_is_by_load() -> None:
     table, index = _table("r1", "r2")
     busy = table.pick("m", now=1)
@@ -134,7 +142,7 @@ def test_kv_aware_needs_prefix_caching_and_a_generate_model() -> None:
                     "engine": engine,
                     "deployment": {"router": "kv_aware"},
                 }
-            ]
+            ],
         }
 
     parse_config(cfg({}))
@@ -147,9 +155,7 @@ def test_kv_aware_needs_prefix_caching_and_a_generate_model() -> None:
 def test_the_engine_publishes_on_a_private_ipc_socket(tmp_path: object) -> None:
     relay = KVEventRelay("tok", "/nowhere")
     try:
-        spec = EngineSpec.model_validate(
-            {"model": "m", "version": "v1", "path": "/x", "engine": {}, "kv_events": True}
-        )
+        spec = EngineSpec.model_validate({"model": "m", "version": "v1", "path": "/x", "engine": {}, "kv_events": True})
         cmd = vllm_command(spec, "127.0.0.1", 1, relay.config)
         config = cmd[cmd.index("--kv-events-config") + 1]
         assert f'"endpoint": "ipc://{relay.dir}/events"' in config and "tcp://" not in config
