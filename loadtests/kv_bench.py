@@ -144,7 +144,8 @@ class RouterPair:
         if self.policy == "kv_aware":
             for e, events in zip(self.engines, EVENT_PORTS, strict=True):
                 cmd += ["--kv-event-source", f"{e.base_url}=tcp://127.0.0.1:{events}"]
-            cmd += ["--kv-event-block-size", str(BLOCK_TOKENS)]
+            # --kv-event-model is required with static sources (vllm-router refuses to start without it)
+            cmd += ["--kv-event-block-size", str(BLOCK_TOKENS), "--kv-event-model", self.model.name]
         env = {**_base_env(False), "VLLM_ROUTER_TOKENIZER": self.model.path, "VLLM_ROUTER_MODEL": self.model.name}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{VLLM_ROUTER}.log", "ab") as log:
