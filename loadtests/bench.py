@@ -400,9 +400,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.kv_routing:
         from loadtests import kv_bench
 
-        doc = kv_bench.run(a, model) | {"meta": meta | {"load_at_end": load_avg()}}
-        (a.out / "bench.json").write_text(json.dumps(doc, indent=2) + "\n")
-        print(kv_bench.report(doc, a.out) + f"\n\nwritten: {a.out / 'bench.json'}, {a.out / 'bench.md'}")
+        kv_doc = kv_bench.run(a, model) | {"meta": meta | {"load_at_end": load_avg()}}
+        (a.out / "bench.json").write_text(json.dumps(kv_doc, indent=2) + "\n")
+        print(kv_bench.report(kv_doc, a.out) + f"\n\nwritten: {a.out / 'bench.json'}, {a.out / 'bench.md'}")
         return
     if a.prefix_routing:
         results = run_prefix_routing(a, model)

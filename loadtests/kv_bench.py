@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import secrets
 import shutil
 import subprocess
@@ -188,7 +189,7 @@ def _print_records(address: str) -> None:
 
     from serving.contract import RayKV, read_records
 
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     try:
         print(json.dumps(sorted([r.replica, r.url, r.token] for r in read_records(RayKV()))))
     finally:
@@ -298,9 +299,9 @@ def run(a: argparse.Namespace, model: BenchModel, log: Any = print) -> dict[str,
     )
     n = len(a.concurrency) * (a.kv_warmup + a.requests) + 8  # + wait_serving's and slack
     sequences = {w: prompts(w, n, a.kv_prefixes, a.prefix_blocks, a.user_chars) for w in a.workloads}
-    rounds = []
+    rounds: list[dict[str, Any]] = []
     for i, order in enumerate(round_orders(a.routers, a.rounds), 1):
-        results = {}
+        results: dict[str, Any] = {}
         for router in order:
             log(f"starting {router} (round {i} of {a.rounds}, load {load_avg():.1f})...")
             t0 = time.monotonic()

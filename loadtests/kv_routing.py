@@ -155,8 +155,9 @@ def median_levels(per_round: list[dict[str, Any]]) -> dict[str, Any]:
     each round's requests/s and TTFT p50 kept."""
     out: dict[str, Any] = {"rounds": len(per_round)}
     for key, first in per_round[0].items():
-        values = [r.get(key) for r in per_round]
-        if isinstance(first, bool) or not all(isinstance(v, (int, float)) for v in values):
+        raw = [r.get(key) for r in per_round]
+        values = [v for v in raw if isinstance(v, (int, float))]
+        if isinstance(first, bool) or len(values) != len(raw):
             continue
         out[key] = sum(values) if key == "failures" else statistics.median(values)
     out["concurrency"] = per_round[0]["concurrency"]

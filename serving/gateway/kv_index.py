@@ -37,6 +37,7 @@ __all__ = ["LOAD_BLOCKS", "PENDING_S", "KVFeeds", "KVIndex", "Prompts"]
 PENDING_S = 5.0  # a block routed here counts as held this long before the engine reports it
 LOAD_BLOCKS = 1.0  # one request in flight weighs as much as one cached block
 RETRY_S = 1.0  # a broken stream is reopened after this
+TOKENIZER_RETRY_S = 30.0
 
 
 class KVIndex:
@@ -140,6 +141,7 @@ class KVFeeds:
         self._streams: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._prompts: dict[str, Prompts] = {}
         self._loading: dict[str, asyncio.Task[None]] = {}
+        self._retry_at: dict[str, float] = {}  # an app whose tokenizer could not be loaded: when to try again
         self._session: Any = None
 
     def keys(self, app: str, kind: str, body: dict[str, Any], adapter: str | None) -> tuple[BlockKey, ...] | None:
@@ -164,7 +166,7 @@ class KVFeeds:
             if key not in self._streams:
                 self._streams[key] = loop.create_task(self._follow(record))
             app = record.app
-            if app not in self._prompts and app not in self._loading:
+            if app not in self._prompts and app not in self._loading and time.monotonic() >= self._retry_at.get(app, 0):
                 self._loading[app] = loop.create_task(self._load_prompts(record))
 
     def stop(self) -> None:
@@ -192,8 +194,11 @@ class KVFeeds:
                 files = (await resp.json())["files"]
             self._prompts[record.app] = await asyncio.to_thread(Prompts.from_files, files)
             logger.info("kv_aware: tokenizer of %s loaded", record.app)
-        except Exception as exc:  # noqa: BLE001 - routed by load until the next record brings a retry
-            logger.warning("kv_aware: cannot load the tokenizer of %s: %s", record.app, exc)
+        except Exception as exc:  # noqa: BLE001 - routed by load until a retry succeeds
+            self._retry_at[record.app] = time.monotonic() + TOKENIZER_RETRY_S
+            logger.warning(
+                "kv_aware: cannot load the tokenizer of %s (retried in %.0fs): %s", record.app, TOKENIZER_RETRY_S, exc
+            )
         finally:
             self._loading.pop(record.app, None)
 
