@@ -60,7 +60,7 @@ TOKENIZER_FILES = frozenset(
     }
 )
 REPLAY_WAIT_S = 2.0
-LINE_KEYS = 2048  # keys per line of the stream's first state (about 40 KB)
+LINE_KEYS = 2048  # keys per line of the stream (about 40 KB)
 
 
 def kv_events_config(endpoint: str, replay: str) -> str:
@@ -152,6 +152,19 @@ class BlockLedger:
         return True
 
 
+def _lines(block_size: int, added: list[BlockKey], removed: list[BlockKey], reset: bool = False) -> bytes:
+    """Stream lines of at most ``LINE_KEYS`` keys each (a reader buffers a line whole); ``reset``
+    on the first: what follows replaces what the reader held."""
+    out = b""
+    for at in range(0, max(len(added), len(removed), 1), LINE_KEYS):
+        line: dict[str, Any] = {"block_size": block_size, "add": added[at : at + LINE_KEYS]}
+        line["del"] = removed[at : at + LINE_KEYS]
+        if reset and at == 0:
+            line["reset"] = True
+        out += json.dumps(line).encode() + b"\n"
+    return out
+
+
 def _hashable(h: Any) -> Hashable:
     return bytes(h) if isinstance(h, (bytes, bytearray, memoryview)) else h
 
@@ -226,10 +239,7 @@ class KVEventRelay:
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._streams.add(queue)
         try:
-            held, size = self.ledger.held, self.ledger.block_size
-            for at in range(0, max(len(held), 1), LINE_KEYS):  # lines a reader buffers whole
-                line = {"block_size": size, "add": held[at : at + LINE_KEYS], **({"reset": True} if at == 0 else {})}
-                await resp.write(json.dumps(line).encode() + b"\n")
+            await resp.write(_lines(self.ledger.block_size, self.ledger.held, [], reset=True))
             while data := await queue.get():  # b"": the relay stops
                 await resp.write(data)
         except (ConnectionResetError, asyncio.CancelledError):
@@ -249,13 +259,7 @@ class KVEventRelay:
     def _emit(self, line: dict[str, Any]) -> None:
         if not (line["add"] or line["del"] or line.get("reset")):
             return
-        size, added, removed = self.ledger.block_size, line["add"], line["del"]
-        data = b""
-        for at in range(0, max(len(added), len(removed), 1), LINE_KEYS):
-            part = {"block_size": size, "add": added[at : at + LINE_KEYS], "del": removed[at : at + LINE_KEYS]}
-            if at == 0 and line.get("reset"):
-                part["reset"] = True
-            data += json.dumps(part).encode() + b"\n"
+        data = _lines(self.ledger.block_size, line["add"], line["del"], reset=bool(line.get("reset")))
         for queue in self._streams:
             queue.put_nowait(data)
 
