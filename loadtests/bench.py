@@ -110,15 +110,20 @@ def measure(
     time.sleep(settle_s)
     for c in levels:
         load = load_avg()
+        placed = affinity_by_group()
         before, t0 = cpu_by_group(), time.monotonic()
         r: LevelResult = asyncio.run(run_level(server.base_url, server.api_key, path, make_body, c, requests, warmup=c))
         cores = split(before, cpu_by_group(), time.monotonic() - t0)  # the level incl. its warm-up
+        # sampled before and after the level: a process seen in either counts, with every core it
+        # was allowed at either moment
+        for group, allowed in affinity_by_group().items():
+            placed[group] = sorted(set(placed.get(group, [])) | set(allowed))
         row = {
             **r.as_dict(),
             "load_before": round(load, 2),
             "load_after": round(load_avg(), 2),
             "cores_by_group": cores,
-            "affinity": affinity_by_group(),
+            "affinity": dict(sorted(placed.items())),
         }
         out.append(row)
         log(
