@@ -126,27 +126,16 @@ class RouterPair:
 
     def start(self, timeout_s: float) -> None:
         for k, (port, events) in enumerate(zip(ENGINE_PORTS, EVENT_PORTS, strict=True)):
-            kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}"}
-            extra = {**self.model.engine.extra_args, "kv-events-config": json.dumps(kv)}
+            extra = {**self.model.engine.extra_args, "kv-events-config": json.dumps(engine_kv_events(events))}
             model = replace(self.model, engine=self.model.engine.model_copy(update={"extra_args": extra}))
             engine = Server("bare", model, self.log_dir / f"engine-{k}", port, api_key=self.api_key)
             self.engines.append(engine)
             engine.start(timeout_s)
         for engine in self.engines:  # both have claimed a core now: the first re-places its API server
             engine.pin_like_ours()
-        cmd = [str(Path(_bin_dir()) / VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += ["--worker-urls", *(e.base_url for e in self.engines), "--policy", self.policy]
-        cmd += ["--prometheus-port", str(self.port + 1000)]
-        # the token for the engines: without it the router's model discovery gets 401 from their
-        # guard (serving.replica.engine_guard), registers the model as "unknown" and its KV index
-        # (keyed by --kv-event-model) never matches a request. A per-run random token of
-        # loopback-only engines; ps shows it while they run.
-        cmd += ["--api-key", self.api_key, *self.router_args]
-        if self.policy == "kv_aware":
-            for e, events in zip(self.engines, EVENT_PORTS, strict=True):
-                cmd += ["--kv-event-source", f"{e.base_url}=tcp://127.0.0.1:{events}"]
-            # --kv-event-model is required with static sources (vllm-router refuses to start without it)
-            cmd += ["--kv-event-block-size", str(BLOCK_TOKENS), "--kv-event-model", self.model.name]
+        cmd = router_command(
+            [e.base_url for e in self.engines], self.policy, self.port, self.api_key, self.model.name, self.router_args
+        )
         env = {**_base_env(False), "VLLM_ROUTER_TOKENIZER": self.model.path, "VLLM_ROUTER_MODEL": self.model.name}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{VLLM_ROUTER}.log", "ab") as log:
@@ -161,6 +150,47 @@ class RouterPair:
 
     def engine_endpoints(self) -> dict[str, tuple[str, str]]:
         return {f"engine-{k}": (e.base_url, self.api_key) for k, e in enumerate(self.engines)}
+
+
+def engine_kv_events(port: int) -> dict[str, Any]:
+    """An engine's ``--kv-events-config``: its ZMQ PUB socket *bound* on loopback port ``port``.
+
+    vLLM's publisher binds only an endpoint with ``*`` or ``::`` in it and *connects* to any other
+    (``ZmqEventPublisher._is_bind_endpoint`` in vllm/distributed/kv_events.py), and vllm-router's
+    subscriber always connects (``sub.connect(&pub_endpoint)`` in src/kv_index/subscriber.rs of
+    vllm-router 0.1.17). With ``tcp://127.0.0.1:PORT`` both sides connected, nobody listened, no
+    event ever reached the router and its index stayed empty (kv_aware then routed by load alone).
+    The IPv4-mapped form has the ``::`` that makes vLLM bind, and ZMQ binds it as 127.0.0.1: still
+    loopback only (``tcp://*:PORT`` would listen on every interface)."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://[::ffff:127.0.0.1]:{port}"}
+
+
+def router_command(
+    worker_urls: list[str], policy: str, port: int, api_key: str, model: str, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """vllm-router's command line in front of ``worker_urls`` (in the order of ``EVENT_PORTS``)."""
+    cmd = [str(Path(_bin_dir()) / VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--worker-urls", *worker_urls, "--policy", policy]
+    cmd += ["--prometheus-port", str(port + 1000)]
+    # the token for the engines, which vllm-router sends them in place of the client's (src/routers/
+    # http/router.rs: "When a backend api_key is configured it must win"); without it their guard
+    # (serving.replica.engine_guard) answers 401. A per-run random token of loopback-only engines;
+    # ps shows it while they run. (The "model unknown" it logs is its label for workers that
+    # report no model, src/core/worker.rs; the KV index is keyed by --kv-event-model instead.)
+    cmd += ["--api-key", api_key, *extra]
+    if policy == "kv_aware":
+        # vllm-router 0.1.17 recomputes no engine block hash, so neither PYTHONHASHSEED nor
+        # --prefix-caching-hash-algo matters: it keys its index by its own sha256 over each block's
+        # token ids (kv_index::local_block_hashes in src/kv_index/mod.rs, applied to the token_ids
+        # of every BlockStored event in subscriber.rs apply_batch and to the request's token ids in
+        # policies/kv_aware.rs prepare_selection) and keeps the engine's hashes only as opaque
+        # parent/removal keys. What must agree is the block size (--kv-event-block-size) and that
+        # the request carries token ids (see measure_router).
+        for url, events in zip(worker_urls, EVENT_PORTS, strict=True):
+            cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{events}"]
+        # --kv-event-model is required with static sources (vllm-router refuses to start without it)
+        cmd += ["--kv-event-block-size", str(BLOCK_TOKENS), "--kv-event-model", model]
+    return cmd
 
 
 def our_engine_endpoints(address: str = GCS_ADDRESS, name: str = "bench") -> dict[str, tuple[str, str]]:

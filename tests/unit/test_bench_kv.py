@@ -1,10 +1,15 @@
-"""The KV-routing benchmark's pure parts (loadtests.kv_routing): workloads, cache sizing, the
-engines' prefix-cache counters and the table. No engine is started."""
+"""The KV-routing benchmark's pure parts (loadtests.kv_routing, and vllm-router's command line in
+loadtests.kv_bench): workloads, cache sizing, the engines' prefix-cache counters and the table. No
+engine is started."""
 
 from __future__ import annotations
 
+import socket
+import time
+
 import pytest
 
+from loadtests.kv_bench import EVENT_PORTS, engine_kv_events, router_command
 from loadtests.kv_routing import (
     BLOCK_TOKENS,
     HITS,
@@ -101,3 +106,43 @@ def test_median_levels_and_table() -> None:
     assert "50% q, 95% hit / 50% q, 95% hit" in table[3]
     assert table[4].startswith("| distinct | power_of_two | 8 | 5.00 | 900 |")
     assert len(table) == 5
+
+
+def test_vllm_router_command_subscribes_to_each_engines_events() -> None:
+    urls = ["http://127.0.0.1:8041", "http://127.0.0.1:8042"]
+    cmd = router_command(urls, "kv_aware", 8030, "tok", "bench", ("--log-level", "debug"))
+    assert cmd[0].endswith("vllm-router") and cmd[cmd.index("--policy") + 1] == "kv_aware"
+    assert cmd[cmd.index("--worker-urls") + 1 : cmd.index("--policy")] == urls
+    assert cmd[cmd.index("--api-key") + 1] == "tok" and "--log-level" in cmd
+    sources = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--kv-event-source"]
+    assert sources == [f"{u}=tcp://127.0.0.1:{p}" for u, p in zip(urls, EVENT_PORTS, strict=True)]
+    assert cmd[cmd.index("--kv-event-block-size") + 1] == str(BLOCK_TOKENS)
+    assert cmd[cmd.index("--kv-event-model") + 1] == "bench"
+    plain = router_command(urls, "power_of_two", 8030, "tok", "bench")
+    assert "--kv-event-source" not in plain and "--kv-event-model" not in plain
+
+
+def test_engine_kv_events_bind_on_loopback_where_the_router_connects() -> None:
+    """vLLM binds a PUB endpoint only with ``*`` or ``::`` in it (else it connects, as the router
+    does, and no event flows); the IPv4-mapped loopback form binds 127.0.0.1 alone."""
+    zmq = pytest.importorskip("zmq")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kv = engine_kv_events(port)
+    assert kv["publisher"] == "zmq" and kv["enable_kv_cache_events"] is True
+    assert "::" in kv["endpoint"] and "*" not in kv["endpoint"]
+    ctx = zmq.Context()
+    try:
+        pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+        pub.bind(kv["endpoint"])
+        assert pub.getsockopt_string(zmq.LAST_ENDPOINT) == f"tcp://127.0.0.1:{port}"
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{port}")  # as router_command's --kv-event-source
+        deadline = time.monotonic() + 5
+        while not sub.poll(50):  # a SUB joins late: publish until it hears one
+            assert time.monotonic() < deadline
+            pub.send_multipart([b"", (0).to_bytes(8, "big"), b"x"])
+        assert sub.recv_multipart()[2] == b"x"
+    finally:
+        ctx.destroy(linger=0)
