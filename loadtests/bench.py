@@ -37,7 +37,7 @@ from typing import Any
 from loadtests.client import LevelResult, run_level
 from loadtests.cpuprof import GROUPS, affinity_by_group, cpu_by_group, split
 from loadtests.scenario import RequestSpec, SharedPrefix
-from loadtests.servers import BenchModel, Server, make_server, running
+from loadtests.servers import KINDS, BenchModel, Server, make_server, running
 from loadtests.workload import RequestFactory, random_text
 from serving.config import EngineConfig
 
@@ -275,13 +275,26 @@ def run_servers(a: argparse.Namespace, model: BenchModel, log: Any = print) -> l
             tag = f" (round {i} of {a.rounds})" if a.rounds > 1 else ""
             log(f"starting {kind}{tag} (load {load_avg():.1f})...")
             t0 = time.monotonic()
-            with running(make_server(kind, model, a.out / "logs"), a.start_timeout) as server:
+            base, gateway = server_variant(kind)
+            with running(make_server(base, model, a.out / "logs", **gateway), a.start_timeout) as server:
                 pid = f", process group {server.proc.pid}" if server.proc else ""
                 log(f"  {kind} serving after {time.monotonic() - t0:.0f}s{pid}")
                 make = completion_bodies(model.name, prompts, a.output_tokens)
                 results[kind] = measure(server, make, "/v1/completions", a.concurrency, a.requests, log, a.settle_s)
         rounds.append({"order": order, "results": {k: results[k] for k in a.servers}})
     return rounds
+
+
+def server_variant(name: str) -> tuple[str, dict[str, Any]]:
+    """``ours@max_migrations=0`` -> ("ours", {"gateway": {"max_migrations": 0}}): a server kind,
+    and for one of ours further ``gateway:`` fields (``+`` between several), so that a gateway
+    setting is measured against the default in the same rounds."""
+    base, _, fields = name.partition("@")
+    if not fields:
+        return base, {}
+    if not base.startswith("ours"):
+        raise SystemExit(f"--servers {name}: gateway fields apply to ours only")
+    return base, {"gateway": dict(_engine_arg(f) for f in fields.split("+"))}
 
 
 def run_prefix_routing(a: argparse.Namespace, model: BenchModel, log: Any = print) -> dict[str, list[dict[str, Any]]]:
@@ -316,7 +329,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument(
-        "--servers", default="bare,rayllm,ours", help="bare,bare-mp,rayllm,rayllm-ha,ours,ours-lease,ours-proxy,ours-ha"
+        "--servers",
+        default="bare,rayllm,ours",
+        help="bare,bare-mp,rayllm,rayllm-ha,ours,ours-lease,ours-proxy,ours-ha; "
+        "ours@FIELD=VALUE[+...] also sets gateway fields",
     )
     ap.add_argument(
         "--rounds",
@@ -353,6 +369,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     kv_bench.check_arguments(ap, a)
     a.servers = [s.strip() for s in a.servers.split(",") if s.strip()]
+    for name in a.servers:
+        if server_variant(name)[0] not in KINDS:
+            ap.error(f"--servers: unknown server {name!r} (known: {', '.join(KINDS)})")
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
     if a.rounds > 1 and a.prefix_routing:

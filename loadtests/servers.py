@@ -47,7 +47,7 @@ from serving.replica.engine import OFFLINE_ENV, EngineSpec, engine_args, single_
 from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid
 from serving.waiting import poll
 
-__all__ = ["HA_ENV", "BenchModel", "Server", "make_server", "running", "session_pids", "stop_session"]
+__all__ = ["HA_ENV", "KINDS", "BenchModel", "Server", "make_server", "running", "session_pids", "stop_session"]
 
 ROOT = Path(__file__).resolve().parents[1]
 HA_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
@@ -298,8 +298,10 @@ def our_stack_config(
     gcs_port: int = 6393,
     dashboard_port: int = 8278,
     metrics_export_port: int = 8088,
+    gateway: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A stack config serving only ``model`` (auth open), on ports apart from the default stacks."""
+    """A stack config serving only ``model`` (auth open), on ports apart from the default stacks;
+    ``gateway``: further ``gateway:`` fields (e.g. ``{"max_migrations": 0}``)."""
     return {
         "name": name,
         "gateway": {
@@ -308,6 +310,7 @@ def our_stack_config(
             "num_replicas": 1,
             "ingress": ingress,
             "replica_routing": replica_routing,
+            **(gateway or {}),
         },
         "local_ray": {
             "gcs_port": gcs_port,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench import ratio_table
+from loadtests.bench import parse_args, ratio_table, server_variant
 from loadtests.client import percentile
 from loadtests.report import format_summary, history_series, plot_history
 from loadtests.scenario import SLO, ScenarioError, load_scenario, scenario_names
@@ -245,6 +245,20 @@ def test_bench_stack_config_is_valid_and_mirrors_the_engine() -> None:
     assert cfg.auth.mode == "open" and cfg.gateway.port == 8021 and cfg.local_ray.gcs_port != 6379
     kw = model.engine_kwargs()
     assert kw["dtype"] == "float32" and kw["max_model_len"] == 512 and kw["enable_prefix_caching"] is True
+
+
+def test_a_gateway_setting_is_a_server_of_its_own_in_the_same_rounds() -> None:
+    base, stack = server_variant("ours@max_migrations=0+retries=1")
+    assert base == "ours" and stack == {"gateway": {"max_migrations": 0, "retries": 1}}
+    assert server_variant("bare") == ("bare", {})
+    model = BenchModel("/tmp/m", EngineConfig(max_model_len=512, dtype="float32"))
+    cfg = parse_config(our_stack_config(model, 8021, **stack))
+    assert cfg.gateway.max_migrations == 0 and cfg.gateway.retries == 1 and cfg.gateway.port == 8021
+    a = parse_args(["--model-dir", "/tmp/m", "--servers", "ours,ours@max_migrations=0,bare"])
+    assert a.servers == ["ours", "ours@max_migrations=0", "bare"]
+    for bad in ("bare@max_migrations=0", "nginx", "ours@max_migrations"):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-dir", "/tmp/m", "--servers", bad])
 
 
 def test_ratio_table() -> None:
