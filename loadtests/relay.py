@@ -1,10 +1,12 @@
 """Relay benchmark: the gateway's own CPU cost per streamed request, with no engine in the way.
 
     python -m loadtests.relay [--requests 1000] [--concurrency 8] [--chunks 64] [--repeats 3] \
-        [--code DIR]
+        [--code DIR] [--max-migrations N]
 
 Starts two processes: a synthetic model replica (an asyncio HTTP server that answers every
-completion with ``--chunks`` vLLM-shaped SSE events 1 ms apart, a usage event and ``[DONE]``)
+completion with ``--chunks`` SSE events 1 ms apart, a usage event and ``[DONE]``, shaped as vLLM
+0.32 shapes them for that request: token ids with ``return_token_ids``, running usage on every
+chunk with ``continuous_usage_stats``, both of which the gateway asks for)
 and one gateway: this repository's gateway app (``serving.gateway.routes.create_api`` over
 ``GatewayCore``) on its own listener (uvicorn, as in a gateway replica), with the replica as its
 only upstream and auth off. Closed-loop streaming clients (``loadtests.client``) then send
@@ -12,6 +14,7 @@ only upstream and auth off. Closed-loop streaming clients (``loadtests.client``)
 request. ``--chunks 1`` isolates the per-request part; the rest divided by the chunks is the cost of
 relaying one chunk.
 
+``--max-migrations 0`` turns the gateway's stream migration off (it then asks for no token ids).
 ``--code DIR`` runs the gateway from another checkout (``DIR/serving``), e.g. an older commit
 from ``git worktree add``, for a before/after on the same machine. Figures: docs/performance.md,
 "The relay".
@@ -40,18 +43,27 @@ def replica(port: int, chunks: int) -> None:
     """The synthetic replica: raw HTTP/1.1 keep-alive, chunked SSE like vLLM's."""
     import uvloop
 
-    def event(i: int) -> bytes:
+    prompt_ids = list(range(100, 116))  # 16 prompt tokens
+
+    def event(i: int, ids: bool, usage: bool) -> bytes:
+        """Chunk ``i`` as vLLM 0.32 sends it: token ids with ``return_token_ids`` (the prompt's in
+        the first chunk), else nulls; the running usage with ``continuous_usage_stats``."""
+        choice = {"index": 0, "text": f" tok{i}", "logprobs": None, "finish_reason": None, "stop_reason": None}
+        choice |= {"prompt_token_ids": (prompt_ids if i == 0 else None) if ids else None}
+        choice |= {"token_ids": [200 + i] if ids else None}
         body = {
             "id": "cmpl-0123456789abcdef0123456789abcdef",
             "object": "text_completion",
             "created": 1,
             "model": "m",
-            "choices": [{"index": 0, "text": f" tok{i}", "logprobs": None, "finish_reason": None, "stop_reason": None}],
-            "usage": None,
+            "choices": [choice],
+            "usage": {"prompt_tokens": 16, "total_tokens": 17 + i, "completion_tokens": i + 1} if usage else None,
         }
         return _chunk(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
 
-    events = [event(i) for i in range(chunks)]
+    streams = {
+        (ids, usage): [event(i, ids, usage) for i in range(chunks)] for ids in (False, True) for usage in (False, True)
+    }
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":16,"completion_tokens":%d,"total_tokens":%d}}\n\n' % (
         chunks,
         chunks + 16,
@@ -71,10 +83,13 @@ def replica(port: int, chunks: int) -> None:
                 size = int(headers[at + 15 :].split(b"\r\n")[0]) if at >= 0 else 0
                 if len(self.buf) < end + 4 + size:
                     return
+                body = json.loads(self.buf[end + 4 : end + 4 + size] or b"{}")
                 self.buf = self.buf[end + 4 + size :]
-                asyncio.ensure_future(self.answer())
+                ids = bool(body.get("return_token_ids"))
+                usage = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
+                asyncio.ensure_future(self.answer(streams[ids, usage]))
 
-        async def answer(self) -> None:
+        async def answer(self, events: list[bytes]) -> None:
             self.transport.write(head)  # type: ignore[attr-defined]
             for ev in events:
                 await asyncio.sleep(0.001)
@@ -117,8 +132,9 @@ class OneReplica:
         return True
 
 
-def _core(leases: OneReplica) -> Any:
-    """A gateway core with one open model ``m``: today's config types, or a checkout's older ones."""
+def _core(leases: OneReplica, max_migrations: int | None = None) -> Any:
+    """A gateway core with one open model ``m``: today's config types, or a checkout's older ones;
+    ``max_migrations``: that gateway field, else its default."""
     from serving.gateway import core
 
     stack = {"auth": {"mode": "open"}, "models": [{"name": "m", "versions": [{"version": "v1"}]}]}
@@ -126,7 +142,8 @@ def _core(leases: OneReplica) -> Any:
         from serving.config import GatewayConfig, parse_config
         from serving.control.serve_config import routing_user_config
 
-        gateway = core.GatewayCore(GatewayConfig(), leases)
+        fields = {} if max_migrations is None else {"max_migrations": max_migrations}
+        gateway = core.GatewayCore(GatewayConfig(**fields), leases)
         gateway.reconfigure(routing_user_config(parse_config(stack)))
     except ImportError:  # a checkout from before the typed user_config
         gateway = core.GatewayCore(getattr(core, "GatewaySettings")(), leases)  # noqa: B009 - gone from today's core
@@ -135,7 +152,7 @@ def _core(leases: OneReplica) -> Any:
     return gateway
 
 
-def gateway(port: int, upstream: str) -> None:
+def gateway(port: int, upstream: str, max_migrations: int | None = None) -> None:
     """This checkout's gateway app (or ``--code``'s) with one fixed upstream replica."""
     import uvloop
 
@@ -148,7 +165,7 @@ def gateway(port: int, upstream: str) -> None:
 
     async def serve() -> None:
         leases = OneReplica(upstream)
-        core = _core(leases)
+        core = _core(leases, max_migrations)
         await Listener(create_api(core), "127.0.0.1", port).start()
         await asyncio.Event().wait()
 
@@ -162,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--code", type=Path, default=None, help="checkout whose serving/ the gateway runs")
+    p.add_argument("--max-migrations", type=int, default=None, help="the gateway's max_migrations (default: its own)")
     p.add_argument("--role", choices=["replica", "gateway"], help=argparse.SUPPRESS)
     p.add_argument("--ports", type=int, nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -173,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.role == "replica":
             replica(replica_port, args.chunks)
         else:
-            gateway(gateway_port, f"http://127.0.0.1:{replica_port}")
+            gateway(gateway_port, f"http://127.0.0.1:{replica_port}", args.max_migrations)
         return 0
 
     from loadtests.client import run_level
@@ -192,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "--ports",
         str(replica_port),
         str(gateway_port),
+        *(["--max-migrations", str(args.max_migrations)] if args.max_migrations is not None else []),
         "--role",
     ]
     procs = [subprocess.Popen([*me, "replica"]), subprocess.Popen([*me, "gateway"])]
@@ -204,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             return {"model": "m", "prompt": "hello", "max_tokens": args.chunks, "stream": True}
 
         asyncio.run(run_level(url, None, "/v1/completions", body, args.concurrency, min(200, args.requests)))
-        print(f"gateway code: {code}; {args.chunks} chunks per request, {args.concurrency} clients")
+        mig = "" if args.max_migrations is None else f", max_migrations {args.max_migrations}"
+        print(f"gateway code: {code}; {args.chunks} chunks per request, {args.concurrency} clients{mig}")
         for _ in range(args.repeats):
             cpu0, t0 = cpu_seconds(gw), time.monotonic()
             r = asyncio.run(run_level(url, None, "/v1/completions", body, args.concurrency, args.requests))
