@@ -178,7 +178,10 @@ class Server:
             return
         cores = claim_cores(max(1, int(spec.cpus_per_rank)), self.proc.pid)
         spare = EnginePinning(self.proc.pid, engine, cores).apply()
-        print(f"  bare: EngineCore {engine} on cores {cores}, API server on {spare or 'every core'}", flush=True)
+        if spare:
+            print(f"  bare: EngineCore {engine} on cores {cores}, API server on {spare}", flush=True)
+        else:  # as ours: with every core claimed, nothing is pinned (placement.pin_single_process)
+            print(f"  bare: every core is claimed; EngineCore {engine} and its API server unpinned", flush=True)
 
     def stop(self) -> None:
         if self.kind.startswith("ours"):
