@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.client import LevelResult, run_level
-from loadtests.cpuprof import GROUPS, affinity_by_group, cpu_by_group, split
+from loadtests.cpuprof import GROUPS, affinity_by_group, cpu_by_group, engine_processes, split
 from loadtests.scenario import RequestSpec, SharedPrefix
 from loadtests.servers import KINDS, BenchModel, Server, make_server, running
 from loadtests.workload import RequestFactory, random_text
@@ -110,7 +110,7 @@ def measure(
     time.sleep(settle_s)
     for c in levels:
         load = load_avg()
-        placed = affinity_by_group()
+        placed, processes = affinity_by_group(), engine_processes()
         before, t0 = cpu_by_group(), time.monotonic()
         r: LevelResult = asyncio.run(run_level(server.base_url, server.api_key, path, make_body, c, requests, warmup=c))
         cores = split(before, cpu_by_group(), time.monotonic() - t0)  # the level incl. its warm-up
@@ -124,6 +124,7 @@ def measure(
             "load_after": round(load_avg(), 2),
             "cores_by_group": cores,
             "affinity": dict(sorted(placed.items())),
+            "vllm_processes": processes,  # at the level's start: pid, comm, group, cores
         }
         out.append(row)
         log(
@@ -215,7 +216,7 @@ def median_rows(per_round: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"concurrency": rows[0]["concurrency"], "rounds": len(rows)}
         for key, first in rows[0].items():
             values = [r.get(key) for r in rows]
-            if key in ("concurrency", "cores_by_group", "affinity") or isinstance(first, bool):
+            if key in ("concurrency", "cores_by_group", "affinity", "vllm_processes") or isinstance(first, bool):
                 continue
             if key == "failures":
                 row[key] = sum(values)

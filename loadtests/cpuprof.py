@@ -15,7 +15,18 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["GROUPS", "affinity_by_group", "cpu_by_group", "cpu_seconds", "group_of", "main", "split"]
+from serving.replica.placement import engine_core_pid
+
+__all__ = [
+    "GROUPS",
+    "affinity_by_group",
+    "cpu_by_group",
+    "cpu_seconds",
+    "engine_processes",
+    "group_of",
+    "main",
+    "split",
+]
 
 # (group, test on "comm\0cmdline"), first match wins
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -55,6 +66,12 @@ def group_of(comm: str, cmdline: str) -> str:
 
 
 def _read(pid_dir: Path) -> tuple[str, float] | None:
+    r = _read_full(pid_dir)
+    return (r[0], r[1]) if r else None
+
+
+def _read_full(pid_dir: Path) -> tuple[str, float, str] | None:
+    """(group, CPU seconds, comm) of one process; None if it is gone."""
     try:
         stat = (pid_dir / "stat").read_text()
         cmdline = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
@@ -63,7 +80,19 @@ def _read(pid_dir: Path) -> tuple[str, float] | None:
     comm = stat[stat.index("(") + 1 : stat.rindex(")")]
     fields = stat[stat.rindex(")") + 2 :].split()
     cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
-    return group_of(comm, cmdline), cpu
+    return group_of(comm, cmdline), cpu, comm
+
+
+def _untitled_engine_cores(groups: dict[int, str], proc: Path) -> set[int]:
+    """EngineCore processes that carry no ``VLLM::`` title (vLLM titles them with
+    ``setproctitle`` where it is installed), found as their API server's child."""
+    found = set()
+    for pid, group in groups.items():
+        if group == "vLLM API server":
+            core = engine_core_pid(pid, proc)
+            if core is not None and groups.get(core) != "engine core":
+                found.add(core)
+    return found
 
 
 def cpu_seconds(pid: int) -> float:
@@ -74,14 +103,35 @@ def cpu_seconds(pid: int) -> float:
 
 def cpu_by_group(proc: Path = Path("/proc")) -> dict[int, tuple[str, float]]:
     """pid -> (group, CPU seconds used so far)."""
-    out: dict[int, tuple[str, float]] = {}
+    return {pid: (group, cpu) for pid, (group, cpu, _) in _table(proc).items()}
+
+
+def _table(proc: Path) -> dict[int, tuple[str, float, str]]:
+    out: dict[int, tuple[str, float, str]] = {}
     if not proc.is_dir():
         return out
     for d in proc.iterdir():
         if d.name.isdigit():
-            r = _read(d)
+            r = _read_full(d)
             if r is not None:
                 out[int(d.name)] = r
+    for pid in _untitled_engine_cores({pid: r[0] for pid, r in out.items()}, proc):
+        if pid in out:
+            out[pid] = ("engine core", out[pid][1], out[pid][2])
+    return out
+
+
+def engine_processes(proc: Path = Path("/proc")) -> list[dict[str, object]]:
+    """Every vLLM process now (engine core, worker, API server): pid, comm, group and the cores
+    it may run on."""
+    out: list[dict[str, object]] = []
+    for pid, (group, _, comm) in sorted(_table(proc).items()):
+        if group in ("engine core", "engine worker", "vLLM API server"):
+            try:
+                cores = sorted(os.sched_getaffinity(pid))
+            except OSError:  # gone meanwhile
+                continue
+            out.append({"pid": pid, "comm": comm, "group": group, "cores": cores})
     return out
 
 
@@ -90,16 +140,11 @@ def affinity_by_group(
 ) -> dict[str, list[int]]:
     """The cores the processes of each of ``groups`` may run on (the union over the group)."""
     out: dict[str, set[int]] = {}
-    if not proc.is_dir():
-        return {}
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        r = _read(d)
-        if r is None or r[0] not in groups:
+    for pid, (group, _, _) in _table(proc).items():
+        if group not in groups:
             continue
         try:
-            out.setdefault(r[0], set()).update(os.sched_getaffinity(int(d.name)))
+            out.setdefault(group, set()).update(os.sched_getaffinity(pid))
         except OSError:  # gone meanwhile
             continue
     return {g: sorted(cores) for g, cores in sorted(out.items())}

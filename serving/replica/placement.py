@@ -92,19 +92,31 @@ def claimed_cores(ledger: Path | None = None) -> set[int]:
 
 
 def engine_core_pid(api_pid: int, proc: Path = Path("/proc")) -> int | None:
-    """The ``VLLM::EngineCore`` process that vLLM's API server ``api_pid`` started, if any."""
+    """The ``EngineCore`` process that vLLM's API server ``api_pid`` started, if any: the child
+    titled ``VLLM::EngineCore``, else (no ``setproctitle`` in that environment) its one child
+    that is a multiprocessing child (forked: the parent's command line; spawned: ``spawn_main``)."""
+    try:
+        parent = (proc / str(api_pid) / "cmdline").read_bytes()
+    except OSError:
+        return None
+    untitled: list[int] = []
     for d in proc.iterdir():
         if not d.name.isdigit():
             continue
         try:
             stat = (d / "stat").read_text()
+            cmdline = (d / "cmdline").read_bytes()
         except OSError:
             continue
         comm = stat[stat.index("(") + 1 : stat.rindex(")")]
         ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        if ppid == api_pid and comm.startswith("VLLM::EngineCor"):
+        if ppid != api_pid:
+            continue
+        if comm.startswith("VLLM::EngineCor"):
             return int(d.name)
-    return None
+        if cmdline == parent or b"multiprocessing.spawn" in cmdline:
+            untitled.append(int(d.name))
+    return untitled[0] if len(untitled) == 1 else None
 
 
 def _set_affinity(pid: int, cores: set[int]) -> None:

@@ -169,6 +169,8 @@ class ModelServer:
         self._wait_ready()
         pin = self.cores and self.spec.engine.pin_cores and single_process(self.spec)
         engine_pid = engine_core_pid(self.proc.pid) if pin else None
+        if pin and engine_pid is None:
+            logger.warning("no EngineCore under the API server (pid %d): the engine is not pinned", self.proc.pid)
         self._pinning = EnginePinning(self.proc.pid, engine_pid, self.cores) if engine_pid and self.cores else None
         self._pin()
         self._tasks: list[asyncio.Task[None]] = []

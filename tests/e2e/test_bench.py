@@ -58,8 +58,9 @@ def test_bench_measures_each_server_in_alternating_rounds(tmp_path: Path) -> Non
             # one single-process engine on a 2-core node: EngineCore alone on its claimed core,
             # the API server on the other (serving.replica.engine.pin_single_process)
             placed = rows[0]["affinity"]
-            assert len(placed.get("engine core", [])) == 1, (kind, rows[0], proc.stdout[-3000:])
-            assert placed["vLLM API server"] and not set(placed["engine core"]) & set(placed["vLLM API server"])
+            seen = f"{kind}: {placed}, vLLM processes {rows[0]['vllm_processes']}\n{proc.stdout[-3000:]}"
+            assert len(placed.get("engine core", [])) == 1, seen
+            assert placed["vLLM API server"] and not set(placed["engine core"]) & set(placed["vLLM API server"]), seen
     for kind in ("ours", "bare"):  # the main table holds the medians of the two rounds
         for row in doc["results"][kind]:
             assert row["rounds"] == 2 and len(row["requests_per_s_rounds"]) == 2

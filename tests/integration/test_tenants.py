@@ -269,5 +269,6 @@ def test_full_queue_answers_503_at_once(stack: Stack) -> None:
     served = [t for c, t, _ in results if c == 200]
     assert rejected and served
     assert all(ra for _, ra in rejected)
-    # refused at once, not after waiting behind the queue
-    assert max(t for t, _ in rejected) < min(served) + 1.0
+    # refused when they came, not after waiting out the queue: every 503 is back before the
+    # request that waited longest in the queue is served
+    assert max(t for t, _ in rejected) < max(served), (rejected, served)

@@ -370,6 +370,33 @@ def test_affinity_by_group_reads_the_real_processes() -> None:
     assert affinity_by_group(groups=("no such group",)) == {}
 
 
+def test_an_untitled_engine_core_is_found_as_its_api_servers_child() -> None:
+    """Without ``setproctitle`` vLLM's EngineCore keeps its API server's command line (forked):
+    the pinning and the benchmark still find it, as the API server's one multiprocessing child."""
+    import subprocess
+    import sys
+    import time
+
+    from loadtests.cpuprof import affinity_by_group, engine_processes
+    from serving.replica.placement import engine_core_pid
+
+    server = "import os, time; os.fork(); time.sleep(60)"  # parent and child sleep alike
+    api = subprocess.Popen([sys.executable, "-c", server, "vllm.entrypoints.launchers.api_server.entry"])
+    try:
+        deadline = time.monotonic() + 20
+        while (core := engine_core_pid(api.pid)) is None:
+            assert time.monotonic() < deadline, "the forked stand-in did not start"
+            time.sleep(0.05)
+        assert core != api.pid
+        mine = {p["pid"]: p["group"] for p in engine_processes() if p["pid"] in (api.pid, core)}
+        assert mine == {api.pid: "vLLM API server", core: "engine core"}
+        assert set(affinity_by_group()["engine core"]) >= os.sched_getaffinity(core)
+    finally:
+        subprocess.run(["pkill", "-P", str(api.pid)], check=False)
+        api.kill()
+        api.wait()
+
+
 def test_cpu_table_lists_the_groups_seen() -> None:
     from loadtests.bench import cpu_table
 
