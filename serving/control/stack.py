@@ -244,6 +244,25 @@ def wait_http(base_url: str, timeout_s: float = 60) -> None:
     wait_until(ready, timeout_s, 1, f"{base_url}/ready did not answer 200")
 
 
+def _group_commands(pgid: int, proc: Path = Path("/proc")) -> set[str]:
+    """The command names (comm) of the live processes of process group ``pgid``; zombies left out.
+    Without /proc (not Linux) the group counts as still running its raylet."""
+    if not proc.is_dir():
+        return {"raylet"}
+    names = set()
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            names.add(stat[stat.index("(") + 1 : stat.rindex(")")])
+    return names
+
+
 def stop_stack(name: str, log: Any = print) -> bool:
     """Delete the Serve apps, then stop the Ray head's process group. True if anything ran."""
     state = StackState.load(name)
@@ -255,12 +274,16 @@ def stop_stack(name: str, log: Any = print) -> bool:
             poll(lambda: not serve_status(state).get("applications"), 60, 1)
         except httpx.HTTPError:
             pass
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(state.ray_pid, sig)
-            except ProcessLookupError:
-                break
-            poll(lambda: not pid_alive(state.ray_pid), wait, 0.5)
+        # SIGTERM: the raylet stops its workers and exits. What is left then (the GCS, which
+        # lingers some 20 s on SIGTERM, the log monitor, `ray start --block`) holds nothing a
+        # stopped local head needs, so it gets SIGKILL at once rather than after the 30 s cap.
+        try:
+            os.killpg(state.ray_pid, signal.SIGTERM)
+            poll(lambda: not pid_alive(state.ray_pid) or "raylet" not in _group_commands(state.ray_pid), 30, 0.5)
+            os.killpg(state.ray_pid, signal.SIGKILL)
+            poll(lambda: not pid_alive(state.ray_pid), 5, 0.2)
+        except ProcessLookupError:
+            pass
     (RUN_DIR / f"{name}.json").unlink(missing_ok=True)
     state.token_path.unlink(missing_ok=True)  # Ray's logs stay in state.temp_dir for debugging
     log(f"stopped stack {name!r} (ray head pid {state.ray_pid})")
