@@ -59,7 +59,13 @@ def _config(tmp: Path) -> Path:
                 "name": "arith",
                 "gate": {"metric": "exact_match", "min": 0.8},
                 "versions": [{"version": "v1"}],
-                "engine": {"max_model_len": 256, "dtype": "float32", "max_num_seqs": 32},
+                # -O0: no torch.compile at each version's engine start (tests/e2e/test_bench.py compiles)
+                "engine": {
+                    "max_model_len": 256,
+                    "dtype": "float32",
+                    "max_num_seqs": 32,
+                    "extra_args": {"optimization-level": 0},
+                },
                 "promotion": POLICY,
             }
         ],
