@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from serving.replica.placement import engine_core_pid
+from serving.replica.placement import engine_core_pid, proc_stat
 
 __all__ = [
     "GROUPS",
@@ -72,13 +72,14 @@ def _read(pid_dir: Path) -> tuple[str, float] | None:
 
 def _read_full(pid_dir: Path) -> tuple[str, float, str] | None:
     """(group, CPU seconds, comm) of one process; None if it is gone."""
+    stat = proc_stat(pid_dir)
+    if stat is None:
+        return None
     try:
-        stat = (pid_dir / "stat").read_text()
         cmdline = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
     except OSError:
         return None
-    comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-    fields = stat[stat.rindex(")") + 2 :].split()
+    comm, fields = stat
     cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
     return group_of(comm, cmdline), cpu, comm
 

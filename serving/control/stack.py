@@ -24,7 +24,7 @@ import httpx
 from serving.config import LocalRayConfig, StackConfig
 from serving.control.serve_config import build_serve_config
 from serving.replica.engine import check_layout
-from serving.replica.placement import pid_alive
+from serving.replica.placement import pid_alive, proc_stat
 from serving.waiting import poll, wait_until
 
 __all__ = [
@@ -253,13 +253,9 @@ def _group_commands(pgid: int, proc: Path = Path("/proc")) -> set[str]:
     for d in proc.iterdir():
         if not d.name.isdigit():
             continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            names.add(stat[stat.index("(") + 1 : stat.rindex(")")])
+        stat = proc_stat(d)
+        if stat is not None and stat[1][0] != "Z" and int(stat[1][2]) == pgid:
+            names.add(stat[0])
     return names
 
 

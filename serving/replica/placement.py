@@ -24,6 +24,7 @@ __all__ = [
     "engine_core_pid",
     "pid_alive",
     "pin_single_process",
+    "proc_stat",
     "spare_cores",
 ]
 
@@ -91,6 +92,16 @@ def claimed_cores(ledger: Path | None = None) -> set[int]:
     return {c for pid, cores in raw.items() if pid_alive(int(pid)) for c in cores}
 
 
+def proc_stat(pid_dir: Path) -> tuple[str, list[str]] | None:
+    """One process's ``/proc/<pid>/stat``: its command name (comm) and the fields after it
+    (state, ppid, pgrp, ...); None if it is gone."""
+    try:
+        stat = (pid_dir / "stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+
+
 def engine_core_pid(api_pid: int, proc: Path = Path("/proc")) -> int | None:
     """The ``EngineCore`` process that vLLM's API server ``api_pid`` started, if any: the child
     titled ``VLLM::EngineCore``, else (no ``setproctitle`` in that environment) its one child
@@ -103,14 +114,13 @@ def engine_core_pid(api_pid: int, proc: Path = Path("/proc")) -> int | None:
     for d in proc.iterdir():
         if not d.name.isdigit():
             continue
+        stat = proc_stat(d)
+        if stat is None or int(stat[1][1]) != api_pid:
+            continue
+        comm = stat[0]
         try:
-            stat = (d / "stat").read_text()
             cmdline = (d / "cmdline").read_bytes()
         except OSError:
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        if ppid != api_pid:
             continue
         if comm.startswith("VLLM::EngineCor"):
             return int(d.name)
