@@ -368,7 +368,7 @@ def _train(
         fields["adapter"] = lora.as_dict()
         fields["architecture"] = architecture_of(base.directory)
     manifest = store.publish(Path(outcome["hf"]), fields)
-    shutil.rmtree(outcome["hf"], ignore_errors=True)
+    shutil.rmtree(Path(outcome["hf"]).parent, ignore_errors=True)  # the publish- folder it was copied into
     if not opts["keep_run"]:
         store.fs.rm(run, recursive=True)
         runs = run.rsplit("/", 1)[0]

@@ -20,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -103,7 +104,9 @@ def test_fine_tune_user_jsonl_resumes_after_kill_and_vllm_serves_it(tmp_path: Pa
     with pytest.raises(TrainingError, match="other arguments"):
         train("maxer", "v1", str(root), base_dir, data, evals, steps=STEPS + 10, checkpoint_every=10)
 
+    publish_dirs = set(Path(tempfile.gettempdir()).glob("publish-*"))
     manifest = train("maxer", "v1", str(root), base_dir, data, evals, steps=STEPS, checkpoint_every=10)
+    assert set(Path(tempfile.gettempdir()).glob("publish-*")) == publish_dirs  # its folder went with it
     run, ev = manifest["training"], manifest["eval"]
     assert run["resumed_from_step"] >= 10 and run["steps"] == STEPS and run["method"] == "full"
     assert run["workers"] == 2 and run["final_loss"] > 0
