@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.client import LevelResult, run_level
-from loadtests.cpuprof import GROUPS, affinity_by_group, cpu_by_group, engine_processes, split
+from loadtests.cpuprof import GROUPS, affinity_by_group, affinity_of, cpu_by_group, engine_processes, split
 from loadtests.scenario import RequestSpec, SharedPrefix
 from loadtests.servers import KINDS, BenchModel, Server, make_server, running
 from loadtests.workload import RequestFactory, random_text
@@ -110,7 +110,8 @@ def measure(
     time.sleep(settle_s)
     for c in levels:
         load = load_avg()
-        placed, processes = affinity_by_group(), engine_processes()
+        processes = engine_processes()
+        placed = affinity_of(processes)
         before, t0 = cpu_by_group(), time.monotonic()
         r: LevelResult = asyncio.run(run_level(server.base_url, server.api_key, path, make_body, c, requests, warmup=c))
         cores = split(before, cpu_by_group(), time.monotonic() - t0)  # the level incl. its warm-up

@@ -14,12 +14,16 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from serving.replica.placement import engine_core_pid, proc_stat
 
 __all__ = [
+    "AFFINITY_GROUPS",
     "GROUPS",
+    "VLLM_GROUPS",
     "affinity_by_group",
+    "affinity_of",
     "cpu_by_group",
     "cpu_seconds",
     "engine_processes",
@@ -122,12 +126,16 @@ def _table(proc: Path) -> dict[int, tuple[str, float, str]]:
     return out
 
 
-def engine_processes(proc: Path = Path("/proc")) -> list[dict[str, object]]:
-    """Every vLLM process now (engine core, worker, API server): pid, comm, group and the cores
-    it may run on."""
-    out: list[dict[str, object]] = []
+VLLM_GROUPS = ("engine core", "engine worker", "vLLM API server")
+AFFINITY_GROUPS = ("engine core", "vLLM API server")  # where the benchmark checks the pinning
+
+
+def engine_processes(groups: tuple[str, ...] = VLLM_GROUPS, proc: Path = Path("/proc")) -> list[dict[str, Any]]:
+    """Every process of ``groups`` now (by default vLLM's: engine core, worker, API server): pid,
+    comm, group and the cores it may run on."""
+    out: list[dict[str, Any]] = []
     for pid, (group, _, comm) in sorted(_table(proc).items()):
-        if group in ("engine core", "engine worker", "vLLM API server"):
+        if group in groups:
             try:
                 cores = sorted(os.sched_getaffinity(pid))
             except OSError:  # gone meanwhile
@@ -136,19 +144,18 @@ def engine_processes(proc: Path = Path("/proc")) -> list[dict[str, object]]:
     return out
 
 
-def affinity_by_group(
-    groups: tuple[str, ...] = ("engine core", "vLLM API server"), proc: Path = Path("/proc")
-) -> dict[str, list[int]]:
-    """The cores the processes of each of ``groups`` may run on (the union over the group)."""
+def affinity_of(processes: list[dict[str, Any]], groups: tuple[str, ...] = AFFINITY_GROUPS) -> dict[str, list[int]]:
+    """The cores the listed processes of each of ``groups`` may run on (the union over the group)."""
     out: dict[str, set[int]] = {}
-    for pid, (group, _, _) in _table(proc).items():
-        if group not in groups:
-            continue
-        try:
-            out.setdefault(group, set()).update(os.sched_getaffinity(pid))
-        except OSError:  # gone meanwhile
-            continue
+    for p in processes:
+        if p["group"] in groups:
+            out.setdefault(p["group"], set()).update(p["cores"])
     return {g: sorted(cores) for g, cores in sorted(out.items())}
+
+
+def affinity_by_group(groups: tuple[str, ...] = AFFINITY_GROUPS, proc: Path = Path("/proc")) -> dict[str, list[int]]:
+    """The cores the processes of each of ``groups`` may run on now (the union over the group)."""
+    return affinity_of(engine_processes(groups, proc), groups)
 
 
 def split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall_s: float) -> dict[str, float]:
