@@ -35,7 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.client import LevelResult, run_level
-from loadtests.cpuprof import GROUPS, affinity_by_group, affinity_of, cpu_by_group, engine_processes, split
+from loadtests.cpuprof import (
+    GROUPS,
+    affinity_by_group,
+    affinity_of,
+    cpu_by_group,
+    engine_processes,
+    median_cores,
+    split,
+)
 from loadtests.scenario import RequestSpec, SharedPrefix
 from loadtests.servers import KINDS, BenchModel, Server, make_server, running
 from loadtests.workload import RequestFactory, random_text
@@ -223,11 +231,7 @@ def median_rows(per_round: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 row[key] = sum(values)
             elif all(isinstance(v, (int, float)) for v in values):
                 row[key] = statistics.median(values)
-        groups = {g for r in rows for g in r.get("cores_by_group", {})}
-        row["cores_by_group"] = {
-            g: round(statistics.median(r.get("cores_by_group", {}).get(g, 0.0) for r in rows), 3)
-            for g in sorted(groups)
-        }
+        row["cores_by_group"] = median_cores(list(rows))
         row["requests_per_s_rounds"] = [r["requests_per_s"] for r in rows]
         out.append(row)
     return out

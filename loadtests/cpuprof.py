@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "engine_processes",
     "group_of",
     "main",
+    "median_cores",
     "split",
 ]
 
@@ -56,6 +58,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("benchmark client", ("loadtests.bench",)),
+    ("vllm-router", ("vllm-router\0",)),  # its comm; after the client, whose --routers may name it
 )
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -165,6 +168,13 @@ def split(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, floa
         start = before.get(pid, (group, 0.0))[1]
         used[group] = used.get(group, 0.0) + max(0.0, cpu - start)
     return {g: round(s / wall_s, 3) for g, s in sorted(used.items(), key=lambda kv: -kv[1]) if s > 0}
+
+
+def median_cores(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Several rounds' ``cores_by_group`` of one level as one: the median per group (a group a
+    round did not see counts as 0 there)."""
+    groups = sorted({g for r in rows for g in r.get("cores_by_group", {})})
+    return {g: round(statistics.median(r.get("cores_by_group", {}).get(g, 0.0) for r in rows), 3) for g in groups}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,8 +38,9 @@ from typing import Any
 
 import httpx
 
-from loadtests.bench import completion_bodies, load_avg, round_orders
+from loadtests.bench import completion_bodies, cpu_table, load_avg, round_orders
 from loadtests.client import run_level
+from loadtests.cpuprof import cpu_by_group, split
 from loadtests.kv_routing import (
     BLOCK_TOKENS,
     CacheSizing,
@@ -84,6 +85,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--user-chars", type=int, default=32, help="the unique user turn after the prefix")
     g.add_argument("--cache-blocks", type=int, default=0, help="KV blocks per engine (0: size_cache)")
     g.add_argument("--kv-warmup", type=int, default=0, help="unrecorded requests per level (0: 2 per prefix)")
+    g.add_argument(
+        "--prompt-form",
+        choices=("auto", "text", "tokens"),
+        default="auto",
+        help="what the client sends: auto = token ids to vllm-router (it tokenizes nothing), text to ours",
+    )
 
 
 def check_arguments(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -273,7 +280,7 @@ def measure_router(
     out: dict[str, list[dict[str, Any]]] = {}
     for w in a.workloads:
         seq: list[Any] = sequences[w]
-        if server.kind.startswith(VLLM_ROUTER):
+        if a.prompt_form == "tokens" or (a.prompt_form == "auto" and server.kind.startswith(VLLM_ROUTER)):
             # vllm-router 0.1.17 tokenizes nothing on its HTTP path: its kv_aware policy sees a
             # text prompt as no tokens ("missing_tokens") and picks by load alone. The same prompt
             # as token ids (what the engine makes of the text: <bos> + one per character) it scores.
@@ -283,14 +290,17 @@ def measure_router(
         for c in a.concurrency:
             asyncio.run(run_level(server.base_url, server.api_key, "/v1/completions", make, c, a.kv_warmup))
             before = scrape(endpoints)
+            cpu_before, t0 = cpu_by_group(), time.monotonic()
             r = asyncio.run(run_level(server.base_url, server.api_key, "/v1/completions", make, c, a.requests))
-            row = level_row(r.as_dict(), counter_deltas(before, scrape(endpoints)))
+            cores = split(cpu_before, cpu_by_group(), time.monotonic() - t0)
+            row = level_row(r.as_dict(), counter_deltas(before, scrape(endpoints))) | {"cores_by_group": cores}
             rows.append(row)
             log(
                 f"  {server.kind:12} {w:9} c={c:<3} {r.requests_per_s:6.2f} req/s  TTFT p50 {r.ttft_p50_ms or 0:5.0f} "
                 f"p99 {r.ttft_p99_ms or 0:5.0f} ms  hits {row['prefix_hit_rate']:.0%}  busier engine "
                 f"{row['max_query_share']:.0%}  failures {r.failures}  load {load_avg():.1f}"
             )
+            log("    cores: " + ", ".join(f"{g} {v:.2f}" for g, v in cores.items()))
         out[w] = rows
     return out
 
@@ -355,6 +365,8 @@ def report(doc: dict[str, Any], out: Path) -> str:
     base = "power_of_two" if "power_of_two" in doc["results"] else next(iter(doc["results"]))
     rounds = doc["rounds"]
     text = f"Medians of {len(rounds)} round(s):\n\n" + kv_table(doc["results"], base)
+    by_level = {f"{r} {w}": rows for r, per in doc["results"].items() for w, rows in per.items()}
+    text += "\n\nCores used per group of processes (medians):\n\n" + cpu_table(by_level)
     for i, rnd in enumerate(rounds, 1):
         text += f"\n\nRound {i} ({','.join(rnd['order'])}):\n\n" + kv_table(rnd["results"], base)
     (out / "bench.md").write_text(text + "\n")

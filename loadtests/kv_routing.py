@@ -26,6 +26,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from loadtests.cpuprof import median_cores
 from loadtests.workload import random_text
 
 __all__ = [
@@ -156,6 +157,9 @@ def median_levels(per_round: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"rounds": len(per_round)}
     for key, first in per_round[0].items():
         raw = [r.get(key) for r in per_round]
+        if key == "cores_by_group":
+            out[key] = median_cores(per_round)
+            continue
         values = [v for v in raw if isinstance(v, (int, float))]
         if isinstance(first, bool) or len(values) != len(raw):
             continue

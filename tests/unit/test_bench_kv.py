@@ -92,7 +92,10 @@ def _row(rps: float, ttft: float, hits: float, conc: int = 8) -> dict[str, objec
 
 def test_median_levels_and_table() -> None:
     rounds = [_row(10.0, 100.0, 50.0), _row(12.0, 300.0, 70.0), _row(11.0, 200.0, 60.0)]
+    for r, cores in zip(rounds, (0.2, 0.4, 0.3), strict=True):
+        r["cores_by_group"] = {"engine core": 1.8, "gateway replica": cores} if cores < 0.4 else {"engine core": 1.6}
     m = median_levels(rounds)
+    assert m["cores_by_group"] == {"engine core": 1.8, "gateway replica": 0.2}  # 0.3, 0.2 and a round with none
     assert m["requests_per_s"] == 11.0 and m["ttft_p50_ms"] == 200.0 and m["prefix_hit_rate"] == 0.6
     assert m["requests_per_s_rounds"] == [10.0, 12.0, 11.0] and m["rounds"] == 3 and m["concurrency"] == 8
     results = {
