@@ -58,7 +58,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("benchmark client", ("loadtests.bench",)),
-    ("vllm-router", ("vllm-router\0",)),  # its comm; after the client, whose --routers may name it
+    ("vllm-router", ("vllm::router",)),  # the title it gives itself (comm and argv)
 )
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -337,7 +337,7 @@ def test_cpu_split_groups_processes_by_role() -> None:
     assert group_of("ray::ServeRepli", "ray::ServeReplica:bench--v1:bench--v1") == "model replica"
     assert group_of("ray::ProxyActor", "ray::ProxyActor") == "Serve proxy"
     assert group_of("raylet", "/x/raylet --foo") == "Ray daemons"
-    assert group_of("vllm-router", "/v/bin/vllm-router --port 8030") == "vllm-router"
+    assert group_of("vllm::router", "vllm::router") == "vllm-router"
     assert group_of("python", "python -m loadtests.bench --routers vllm-router:random") == "benchmark client"
     before = {1: ("gateway replica", 10.0), 2: ("Ray daemons", 5.0)}
     after = {1: ("gateway replica", 12.0), 2: ("Ray daemons", 5.5), 3: ("other", 1.0)}  # 3 started meanwhile
