@@ -71,6 +71,7 @@ class Exchange:
         self.last_at = self.started
         self.tap = parsed.tap()
         self.usage: dict[str, Any] | None = None
+        self.counted: dict[str, Any] | None = None  # the tokens a splice counted (:meth:`count`)
         self._done = False
         self.in_flight[self.model] += 1
 
@@ -82,6 +83,11 @@ class Exchange:
         return self.tap.feed(chunk) if self.tap else chunk
 
     held_error = False  # error events pass through to the client as the engine sent them
+
+    def count(self, prompt: int, completion: int) -> None:
+        """The stream's tokens as the splice counted them from their ids: what is billed when no
+        usage event came (the engine is not asked for usage on every chunk of such a stream)."""
+        self.counted = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def flush(self) -> bytes:
         return self.tap.flush() if self.tap else b""
@@ -103,7 +109,8 @@ class Exchange:
             return
         self._done = True
         self.in_flight[self.model] -= 1
-        self.usage = self.tap.usage if self.tap else (usage_of(body) if body and status == 200 else None)
+        usage = self.tap.usage if self.tap else (usage_of(body) if body and status == 200 else None)
+        self.usage = usage if usage is not None else self.counted
         prompt, completion = self.parsed.tokens(self.usage) if self.usage is not None else (0, 0)
         if self.usage is not None:
             tokens = prompt + completion

@@ -20,7 +20,9 @@ the request's own leaser, i.e. to the same Serve application, the same version:
 
 The continuation's chunks are rewritten into the client's format (chat deltas or completion text)
 with the first leg's ``id``, ``created`` and ``model``; usage counts the original prompt once and
-every token sent once, and that is what is billed. The client sees one role chunk, one
+every token sent once, and that is what is billed. The splice counts those tokens from their ids,
+so such a stream asks the engine for its final usage event only, not for usage on every chunk
+(unless the client asked for that). The client sees one role chunk, one
 ``[DONE]``. Greedy output is the text an uninterrupted run gives.
 
 Left out, so ended with the SSE error event as before (docs/architecture.md, "Stream migration"):
@@ -101,6 +103,7 @@ class Plan:
     min_tokens: int
     context: int  # the model's max_model_len
     client_ids: bool  # the client asked for token ids itself
+    chunk_usage: bool  # the client asked for usage on every chunk (continuous_usage_stats)
 
     @classmethod
     def of(cls, parsed: ParsedRequest, path: str, model: str, context: int) -> Plan:
@@ -116,6 +119,7 @@ class Plan:
             min_tokens=int(b.get("min_tokens") or 0),
             context=context,
             client_ids=bool(b.get("return_token_ids")),
+            chunk_usage=parsed.continuous_usage,
         )
 
     def body(self, prompt: list[int], sent: int) -> bytes | None:
@@ -136,7 +140,7 @@ class Plan:
             "prompt": prompt,
             "max_tokens": left,
             "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "stream_options": {"include_usage": True, "continuous_usage_stats": self.chunk_usage},
             "return_token_ids": True,
         }
         if self.min_tokens:

@@ -139,13 +139,16 @@ class ParsedRequest:
 
     def upstream_body(self, name: str, token_ids: bool = False) -> bytes:
         """The body to forward: ``model`` set to the engine's served name and, for streams, usage
-        on every chunk always requested (``continuous_usage_stats``: the gateway bills what a stream
-        used even when it is abandoned or cut; :class:`StreamTap` strips what the client did not
-        ask for). ``token_ids`` asks the engine for the token ids of each chunk
-        (``return_token_ids``), which a stream needs to be continued on another replica
-        (:mod:`serving.gateway.migration` strips them again). Unchanged bodies are forwarded as
-        the same bytes."""
-        force_usage = self.stream and not self.continuous_usage
+        always requested, so the gateway bills what a stream used even when it is abandoned or
+        cut (:class:`StreamTap` strips what the client did not ask for): on every chunk
+        (``continuous_usage_stats``), unless ``token_ids``. Then the engine sends each chunk's
+        token ids (``return_token_ids``), which a stream needs to be continued on another replica
+        and from which the splice counts the tokens (:mod:`serving.gateway.migration`, which
+        strips the ids again), so only the final usage event is asked for. Unchanged bodies are
+        forwarded as the same bytes."""
+        so = self.body.get("stream_options") or {}
+        want = ("include_usage",) if token_ids else ("include_usage", "continuous_usage_stats")
+        force_usage = self.stream and not all(so.get(k) for k in want)
         force_ids = token_ids and not self.body.get("return_token_ids")
         if self.body.get("model") == name and not force_usage and not force_ids:
             return self.raw
@@ -153,11 +156,7 @@ class ParsedRequest:
         if force_ids:
             body["return_token_ids"] = True
         if force_usage:
-            body["stream_options"] = {
-                **(self.body.get("stream_options") or {}),
-                "include_usage": True,
-                "continuous_usage_stats": True,
-            }
+            body["stream_options"] = {**so, **dict.fromkeys(want, True)}
         return msgspec.json.encode(body)
 
 
@@ -176,9 +175,10 @@ def _object_end(ev: bytes, start: int) -> int:
 class StreamTap:
     """Event-aligned pass-through of an SSE byte stream that reads the usage it carries.
 
-    The engine is asked for usage on every chunk (per choice, cumulative) and in a final
-    usage-only event; the tap keeps the latest per choice, so :attr:`usage` is what the stream
-    used so far even if it never reaches its end. What the client did not ask for is cut out at
+    The engine is asked for a final usage-only event and, unless the splice counts the stream's
+    tokens (:meth:`ParsedRequest.upstream_body`), for usage on every chunk (per choice,
+    cumulative); the tap keeps the latest per choice, so :attr:`usage` is what the stream used so
+    far even if it never reaches its end. What the client did not ask for is cut out at
     the byte level: ``strip_usage`` (no ``include_usage``) removes the chunks' usage and the final
     usage event; otherwise, without ``keep_chunk_usage`` (no ``continuous_usage_stats``), only
     the chunks' usage. Bytes are released at event boundaries (``\n\n``) only.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -17,7 +17,13 @@ from serving.gateway.relay import Observer, UpstreamResult
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["Splice", "spliced"]
+__all__ = ["Billed", "Splice", "spliced"]
+
+
+class Billed(Observer, Protocol):
+    """The request's own observer, which the splice also tells the tokens it counted."""
+
+    def count(self, prompt: int, completion: int) -> None: ...
 
 
 class Splice:
@@ -27,7 +33,7 @@ class Splice:
 
     def __init__(
         self,
-        exchange: Observer,
+        exchange: Billed,
         plan: Plan,
         resume: Resume,
         request_id: str,
@@ -86,7 +92,13 @@ class Splice:
     def finish(self, status: int, body: bytes | None = None) -> None:
         if self.cut and status != 499:
             return  # the next leg finishes the request
-        self.exchange.finish(status if status in (200, 499) or not self.migrations else 502, body)
+        self._settle(status if status in (200, 499) or not self.migrations else 502, body)
+
+    def _settle(self, status: int, body: bytes | None = None) -> None:
+        """Finish the exchange with the tokens counted so far (billed if no usage event came)."""
+        if self.prompt is not None:
+            self.exchange.count(len(self.prompt), len(self.sent))
+        self.exchange.finish(status, body)
 
     def _why_not(self) -> str | None:
         if self.migrations >= self.max_migrations:
@@ -218,7 +230,7 @@ class Splice:
                     await close()
                 if leg.aclose is not None:
                     await leg.aclose()
-            self.exchange.finish(499)  # no-op unless the client left between two legs
+            self._settle(499)  # no-op unless the client left between two legs
 
     async def _next_leg(self) -> UpstreamResult | bytes:
         self.cut, self.migrations = False, self.migrations + 1

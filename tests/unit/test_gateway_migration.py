@@ -149,21 +149,25 @@ async def _replica(events: list[str], *, then: str = "cut", health: int = 200) -
 
 
 class Counted:
-    """A stand-in for the gateway's metrics (Ray's need a cluster): migration outcomes recorded."""
+    """A stand-in for the gateway's metrics (Ray's need a cluster): migration outcomes and the
+    tokens billed recorded."""
 
     def __init__(self) -> None:
         self.outcomes: list[str] = []
+        self.tokens: dict[str, float] = {}
 
     def tags(self, model: str, version: str, tenant: str) -> dict[str, str]:
         return {"model": model, "version": version, "tenant": tenant}
 
     def __getattr__(self, name: str) -> Any:
-        outcomes = self.outcomes
+        outcomes, tokens = self.outcomes, self.tokens
 
         class Metric:
             def inc(self, value: float = 1, tags: dict[str, str] | None = None) -> None:
                 if name == "migrations":
                     outcomes.append((tags or {})["outcome"])
+                if name in ("prompt_tokens", "completion_tokens"):
+                    tokens[name] = tokens.get(name, 0) + value
 
             def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
                 pass
@@ -294,11 +298,42 @@ async def test_at_most_max_migrations_then_the_error_event() -> None:
     assert '"upstream_error"' in out and out.count("data: [DONE]") == 1
 
 
+def _without_chunk_usage(events: list[str]) -> list[str]:
+    """The events as vLLM sends them without ``continuous_usage_stats``: no usage on the chunks."""
+    out = []
+    for ev in events:
+        d = json.loads(ev[6:]) if ev.startswith("data: {") else None
+        if d is not None and d.get("choices"):
+            d["usage"] = None
+            ev = "data: " + json.dumps(d, separators=(",", ":"))
+        out.append(ev)
+    return out
+
+
+async def test_a_stream_that_is_not_continued_bills_the_tokens_its_ids_counted() -> None:
+    """The splice counts a stream's tokens from their ids, so the engine is asked for the final
+    usage event only; a stream that breaks before it (and is not continued) bills that count."""
+    rec = DATA["completion"]
+    head = _head("completion")
+    prompt = len(json.loads(head[0][6:])["choices"][0]["prompt_token_ids"])
+    async with (
+        _replica(_without_chunk_usage(head)) as (a, got_a),
+        _replica([]) as (b, _),
+        _gateway(a, b, max_migrations=1, retries=0) as (c, core),
+    ):
+        core.metrics = Counted()
+        out = await _post(c, "completion", {**rec["request"], "stream": True})
+    assert got_a[0]["stream_options"] == {"include_usage": True} and got_a[0]["return_token_ids"] is True
+    assert '"upstream_error"' in out and core.metrics.outcomes == ["failed"]
+    assert core.metrics.tokens == {"prompt_tokens": prompt, "completion_tokens": sum(map(_ids_of, head))}
+
+
 async def test_migration_off_ends_with_the_error_event() -> None:
     rec = DATA["completion"]
     async with _replica(_head("completion")) as (a, got), _gateway(a, max_migrations=0) as (c, _):
         out = await _post(c, "completion", {**rec["request"], "stream": True})
     assert "return_token_ids" not in got[0] and '"upstream_error"' in out
+    assert got[0]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
 
 
 def test_token_ids_are_cut_out_byte_for_byte() -> None:

@@ -72,6 +72,15 @@ def test_streams_always_ask_for_usage_on_every_chunk_upstream() -> None:
     assert r.continuous_usage and r.upstream_body("a") is r.raw
 
 
+def test_a_stream_counted_from_its_token_ids_asks_only_for_the_final_usage_event() -> None:
+    p = parse_request(b'{"model": "a", "prompt": "1", "stream": true}', "completion")
+    body = json.loads(p.upstream_body("a", token_ids=True))
+    assert body["stream_options"] == {"include_usage": True} and body["return_token_ids"] is True
+    every = {"include_usage": True, "continuous_usage_stats": True}
+    q = parse_request(json.dumps({"prompt": "1", "stream": True, "stream_options": every}).encode(), "completion")
+    assert json.loads(q.upstream_body("a", token_ids=True))["stream_options"] == every
+
+
 def test_reservation_is_n_times_the_token_limit() -> None:
     assert parse_request(b'{"prompt": "1", "max_tokens": 5, "n": 3}', "completion").reserve_tokens(64) == 15
     assert parse_request(b'{"prompt": "1"}', "completion").reserve_tokens(64) == 64
