@@ -59,7 +59,7 @@ def test_model_rewrite_keeps_bytes_when_unchanged() -> None:
     assert json.loads(p.upstream_body("other"))["model"] == "other"
 
 
-def test_streams_always_ask_for_usage_on_every_chunk_upstream() -> None:
+def test_streams_without_token_ids_ask_for_usage_on_every_chunk_upstream() -> None:
     every = {"include_usage": True, "continuous_usage_stats": True}
     p = parse_request(b'{"model": "a", "prompt": "1", "stream": true}', "completion")
     assert json.loads(p.upstream_body("a"))["stream_options"] == every
