@@ -46,7 +46,11 @@ logger = logging.getLogger("ray.serve")
 
 ENGINE_STOP_S = 10.0  # SIGTERM to SIGKILL when vLLM is stopped
 
-__all__ = ["ModelServer", "build_model_server", "free_port"]
+__all__ = ["ModelServer", "build_model_server", "free_port", "warm_up"]
+
+# One token with logprobs: vLLM compiles its logprob-rank kernel (``batched_count_greater_than``,
+# ``torch.compile``) on the first request that asks for logprobs; see :func:`warm_up`.
+WARM_UP = {"prompt": [0], "max_tokens": 1, "logprobs": 1}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -64,6 +68,31 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def warm_up(url: str, token: str, model: str, timeout_s: float, client: httpx.Client | None = None) -> None:
+    """Ask a new engine for one token with logprobs before its replica takes requests. vLLM
+    compiles its logprob-rank kernel on the first request that wants logprobs; on CPU that is
+    inductor building C++, seconds of a busy engine that generates nothing, during which a client's
+    request waits and the stall watch (``stall_timeout_s``) may take the engine for hung. Paid
+    here, the kernel is also in the node's compile cache for the engines that start after it. A
+    failed warm-up is logged, not fatal: the engine answered ``/health``."""
+    t0 = time.monotonic()
+    c = client or httpx.Client(timeout=timeout_s)
+    try:
+        r = c.post(
+            f"{url}/v1/completions", json={"model": model, **WARM_UP}, headers={"authorization": f"Bearer {token}"}
+        )
+    except httpx.HTTPError as exc:
+        logger.warning("engine warm-up failed: %s", type(exc).__name__)
+        return
+    finally:
+        if client is None:
+            c.close()
+    if r.status_code != 200:
+        logger.warning("engine warm-up answered %d: %s", r.status_code, r.text[:200])
+    else:
+        logger.info("engine warmed up (logprobs kernel) in %.1fs", time.monotonic() - t0)
 
 
 def _node_ip() -> str:
@@ -173,6 +202,8 @@ class ModelServer:
             logger.warning("no EngineCore under the API server (pid %d): the engine is not pinned", self.proc.pid)
         self._pinning = EnginePinning(self.proc.pid, engine_pid, self.cores) if engine_pid and self.cores else None
         self._pin()
+        if self.spec.engine.runner == "generate":
+            warm_up(self.endpoint.url, self.token, self.spec.model, self.spec.startup_timeout_s)
         self._tasks: list[asyncio.Task[None]] = []
         self._seq = 0  # heartbeats published
         self._stall = StallWatch(self.spec.stall_timeout_s)

@@ -1,10 +1,15 @@
-"""The replica's hang detection: work without progress for stall_s, judged on good scrapes only."""
+"""The replica's hang detection: work without progress for stall_s, judged on good scrapes only;
+and the warm-up that keeps a new engine's first logprobs request from looking like a hang."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
+import httpx
+
 from serving.replica.liveness import StallWatch
+from serving.replica.server import warm_up
 
 
 def _m(running: float = 0, waiting: float = 0, gen: float = 0, prompt: float = 0) -> dict[str, float]:
@@ -78,3 +83,31 @@ def test_an_engine_that_looks_idle_and_still_is_gets_a_probe() -> None:
     assert not watch.should_probe(17)
     watch.observe(_m(running=2, gen=11), 30)  # busy again: the stall rule judges it
     assert not watch.should_probe(30)
+
+
+def test_warm_up_asks_the_new_engine_for_logprobs_with_its_token() -> None:
+    """The replica's warm-up is one token with logprobs (the request that makes vLLM compile its
+    logprob-rank kernel), to the served model, with the engine's token; an engine that refuses it
+    (e.g. ``max_logprobs: 0``) or cannot be reached is logged, not fatal."""
+    seen: list[httpx.Request] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"choices": [{"text": "1"}]})
+
+    with httpx.Client(transport=httpx.MockTransport(engine)) as c:
+        warm_up("http://engine:1", "tok", "adder", 30, client=c)
+    assert len(seen) == 1 and seen[0].url == "http://engine:1/v1/completions"
+    assert seen[0].headers["authorization"] == "Bearer tok"
+    body = json.loads(seen[0].content)
+    assert body["model"] == "adder" and body["logprobs"] >= 1 and body["max_tokens"] == 1
+
+    def refuses(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"message": "logprobs > max_logprobs"}})
+
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused")
+
+    for handler in (refuses, down):
+        with httpx.Client(transport=httpx.MockTransport(handler)) as c:
+            warm_up("http://engine:1", "tok", "adder", 30, client=c)  # no exception
