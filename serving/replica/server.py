@@ -48,9 +48,11 @@ ENGINE_STOP_S = 10.0  # SIGTERM to SIGKILL when vLLM is stopped
 
 __all__ = ["ModelServer", "build_model_server", "free_port", "warm_up"]
 
-# One token with logprobs: vLLM compiles its logprob-rank kernel (``batched_count_greater_than``,
+# One token of token id 0: what the stall watch asks a generate engine for (``_probe_engine``).
+ONE_TOKEN = {"prompt": [0], "max_tokens": 1}
+# The same with logprobs: vLLM compiles its logprob-rank kernel (``batched_count_greater_than``,
 # ``torch.compile``) on the first request that asks for logprobs; see :func:`warm_up`.
-WARM_UP = {"prompt": [0], "max_tokens": 1, "logprobs": 1}
+WARM_UP = {**ONE_TOKEN, "logprobs": 1}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -312,7 +314,7 @@ class ModelServer:
         if self.spec.engine.runner == "pooling":
             path, body = "/v1/embeddings", {"model": self.spec.model, "input": [0]}
         else:
-            path, body = "/v1/completions", {"model": self.spec.model, "prompt": [0], "max_tokens": 1}
+            path, body = "/v1/completions", {"model": self.spec.model, **ONE_TOKEN}
         try:
             await self._client.post(f"{self.endpoint.url}{path}", json=body, timeout=self.spec.stall_timeout_s)
         except httpx.TimeoutException:
