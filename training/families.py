@@ -1,10 +1,15 @@
 """Model families (architecture + tokenizer + chat template) and randomly initialised bases.
 
-Why two families: ``llama`` (``LlamaForCausalLM``, Llama-3 header template) and ``qwen2``
-(``Qwen2ForCausalLM`` with grouped-query attention, qkv bias and tied embeddings, ChatML template)
-differ in every place a serving or training path could hard-code one model: config class, special
-tokens, BOS (Llama prepends one, Qwen has none), end-of-turn token, how tool results are shown.
-Both are architectures vLLM serves natively, so ``save_pretrained`` output loads with no custom
+Why several families: ``llama`` (``LlamaForCausalLM``, Llama-3 header template) and ``qwen3``
+(``Qwen3ForCausalLM``: RMS-normed queries and keys, an explicit head size; ChatML template) are the
+two default local models, and they differ in every place a serving or training path could
+hard-code one model: config class, special tokens, BOS (Llama prepends one, Qwen has none),
+end-of-turn token, how tool results are shown. ``qwen2`` (``Qwen2ForCausalLM``, qkv bias, ChatML)
+stays available as a base. transformers 5 loads every ``qwen2`` folder's tokenizer as
+``Qwen2Tokenizer``, which rebuilds it from vocab and merges with Qwen's word-splitting regex
+(whatever ``tokenizer_config.json`` names), so that family's tokenizer is trained with that regex
+and its tool rows are about twice as long; a ``qwen3`` folder's tokenizer loads as it was saved.
+All are architectures vLLM serves natively, so ``save_pretrained`` output loads with no custom
 code.
 
 Both templates speak the Hermes tool dialect that vLLM's ``--tool-call-parser hermes`` reads: the
@@ -37,6 +42,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 from transformers.utils.chat_template_utils import render_jinja_template
@@ -101,7 +108,7 @@ _CALLS: Final = (
 )
 
 
-# ChatML's tokenizer splits text into words and punctuation runs before BPE (Qwen2's regex), so a
+# The qwen2 tokenizer splits text into words and punctuation runs before BPE (Qwen2's regex), so a
 # full JSON schema costs ~60 tokens a tool and dominates every tool row. The ChatML template shows
 # each tool's parameter names only (``"parameters": ["a", "b"]``): about half the tokens, same
 # information for a model that only ever sees integer arguments.
@@ -188,6 +195,9 @@ class Family:
         }
         if self.model_type == "llama":
             return LlamaConfig(num_key_value_heads=spec.heads, tie_word_embeddings=False, **common)
+        if self.model_type == "qwen3":
+            head_dim = spec.hidden // spec.heads
+            return Qwen3Config(num_key_value_heads=spec.heads, head_dim=head_dim, tie_word_embeddings=False, **common)
         return Qwen2Config(num_key_value_heads=spec.heads, tie_word_embeddings=False, **common)
 
 
@@ -225,6 +235,19 @@ FAMILIES: Final[dict[str, Family]] = {
             split_regex=QWEN2_PRETOKENIZE_REGEX,
         ),
         model_class=Qwen2ForCausalLM,
+    ),
+    "qwen3": Family(
+        name="qwen3",
+        model_type="qwen3",
+        tokens=TokenizerSpec(
+            special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+            bos=None,
+            eos="<|im_end|>",
+            pad="<|endoftext|>",
+            chat_template=CHATML_TEMPLATE,
+            model_max_length=MAX_POSITIONS,
+        ),
+        model_class=Qwen3ForCausalLM,
     ),
 }
 

@@ -82,7 +82,7 @@ def default_hyperparameters(base: ResolvedBase, rows: int, lora: bool = False) -
     (3e-3 on a tiny base, 2e-4 on a real one).
     """
     if base.is_init:
-        return {"steps": 1000, "batch_size": 128, "lr": 3e-3, "warmup": 0.1, "weight_decay": 0.01}
+        return {"steps": 1500, "batch_size": 128, "lr": 3e-3, "warmup": 0.1, "weight_decay": 0.01}
     params = _weights_params(base.directory)
     # a few-million-parameter base (the project's own) needs a large step to learn a new task in a
     # few hundred steps; real pretrained bases get the usual small ones

@@ -83,7 +83,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("promotion")
     source = ROOT / "checkpoints" / "adder" / "v1"
     if not (source / "manifest.json").exists():  # built by `serving up` of the main stacks
-        train("adder", "v1", str(ROOT / "checkpoints"), base="init:qwen2-tiny", data="builtin:add")
+        train("adder", "v1", str(ROOT / "checkpoints"), base="init:qwen3-tiny", data="builtin:add")
     root = str(tmp / "store")
     imported = subprocess.run(
         [SERVING, "import", str(source), "--model", "arith", "--version", "v1", "--root", root],
