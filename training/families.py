@@ -71,17 +71,25 @@ INIT_PREFIX: Final = "init:"
 
 @dataclass(frozen=True, slots=True)
 class ModelSize:
-    """Shape of one size; ``head_dim`` = hidden / heads = 32 (vLLM's CPU attention needs >= 32)."""
+    """Shape of one size; ``head_dim`` = hidden / heads = 32 (vLLM's CPU attention needs >= 32).
+
+    ``init_std`` is the standard deviation of the random weights (``initializer_range``), scaled
+    to the width (about 0.7 / sqrt(hidden)). transformers' default, 0.02, suits widths in the
+    thousands: at width 128 every projection shrinks its input to about a quarter, so the queries
+    and keys of a model without normed queries and keys (Llama, Qwen2) start near zero, attention
+    starts uniform, and learning waits for them to grow (docs/training.md, "Initialisation").
+    """
 
     layers: int
     hidden: int
     intermediate: int
     heads: int
+    init_std: float
 
 
 SIZES: Final[dict[str, ModelSize]] = {
-    "tiny": ModelSize(layers=3, hidden=128, intermediate=512, heads=4),
-    "small": ModelSize(layers=4, hidden=256, intermediate=1024, heads=8),
+    "tiny": ModelSize(layers=3, hidden=128, intermediate=512, heads=4, init_std=0.06),
+    "small": ModelSize(layers=4, hidden=256, intermediate=1024, heads=8, init_std=0.042),
 }
 
 # Shared Jinja pieces. Newlines the model sees are written as {{ '\n' }} so that the whitespace
@@ -190,6 +198,7 @@ class Family:
             "num_hidden_layers": spec.layers,
             "num_attention_heads": spec.heads,
             "max_position_embeddings": MAX_POSITIONS,
+            "initializer_range": spec.init_std,
             "dtype": "float32",
             **ids,
         }

@@ -11,7 +11,16 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from training.datasets import KINDS, TOOLS, generate
-from training.families import FAMILIES, InitRef, build_base, build_tokenizer, family_of, parse_init_ref, render
+from training.families import (
+    FAMILIES,
+    SIZES,
+    InitRef,
+    build_base,
+    build_tokenizer,
+    family_of,
+    parse_init_ref,
+    render,
+)
 from training.tokenizer import TOOL_TOKENS
 
 ROWS = {kind: 20 for kind in KINDS["add"]}
@@ -112,6 +121,11 @@ def test_base_folder_loads_and_matches_the_trained_tokenizer(base: tuple[str, Pa
     assert tokenizer_config["chat_template"] == FAMILIES[family].tokens.chat_template
     model = AutoModelForCausalLM.from_pretrained(str(directory))
     assert model.config.vocab_size == len(loaded)
+    # random weights at the size's width-scaled spread, not transformers' default 0.02
+    std = SIZES["tiny"].init_std
+    assert config["initializer_range"] == std
+    for weight in (model.model.layers[0].self_attn.q_proj.weight, model.model.layers[-1].mlp.down_proj.weight):
+        assert abs(float(weight.std()) - std) < 0.05 * std
     with torch.no_grad():
         logits = model(torch.tensor([loaded("37+45=")["input_ids"]])).logits
     assert logits.shape[-1] == len(loaded)
