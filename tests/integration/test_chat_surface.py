@@ -47,34 +47,15 @@ def _score(client: openai.OpenAI, model: str, kind: str, **extra: Any) -> float:
     return hits / len(cases)
 
 
-# What each kind must score through the API, per model. The issue's bar is 0.9 for the tool and
-# JSON kinds and a clear effect of system prompt and history. The default recipes do not reach it
-# everywhere (docs/training.md, "What they learn"): the floors here sit below what each model
-# scored, so a regression fails; the gap to the bar is stated there. The same recipe and seed
-# train a different model on a VM with another CPU: adder scored system 0.57 and multi_turn 0.67
-# here through the API on 2026-12-02, against 0.90 and 0.96 in the job's eval on 2026-12-01.
-FLOORS = {
-    "adder": {
-        "tool_call": 0.45,
-        "tool_unneeded": 0.7,
-        "tool_result": 0.25,
-        "json": 0.7,
-        "system": 0.5,
-        "multi_turn": 0.6,
-    },
-    "subtractor": {
-        "tool_call": 0.75,
-        "tool_unneeded": 0.5,
-        "tool_result": 0.8,
-        "json": 0.6,
-        "system": 0.5,
-        "multi_turn": 0.2,
-    },
-}
-KINDS = tuple(FLOORS["adder"])
+# What each kind must score through the API, for both models: the issue's bar, 0.9, for the tool and
+# JSON kinds, 0.8 for the effect of a system prompt and of history. Measured through the gateway on
+# 2026-12-04 (docs/training.md, "What they learn"): adder 1.00 on every kind, subtractor 0.97-1.00.
+# Training is deterministic for a seed, code and CPU, not across CPUs: a VM with another CPU once
+# trained a worse model from the same recipe (docs/training.md), and such a model fails here.
+FLOORS = {"tool_call": 0.9, "tool_unneeded": 0.9, "tool_result": 0.9, "json": 0.9, "system": 0.8, "multi_turn": 0.8}
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", FLOORS)
 @pytest.mark.parametrize("model", MODELS)
 def test_what_the_model_decides_on_held_out_prompts(client: openai.OpenAI, model: str, kind: str) -> None:
     """tool_call: right function and argument values with tool_choice auto; tool_unneeded: no call
@@ -84,7 +65,7 @@ def test_what_the_model_decides_on_held_out_prompts(client: openai.OpenAI, model
     extra: dict[str, Any] = {"response_format": {"type": "json_object"}} if kind == "json" else {}
     score = _score(client, model, kind, **extra)
     print(f"{model} {kind}: {score:.2f} on {N} held-out probes")
-    assert score >= FLOORS[model][kind], score
+    assert score >= FLOORS[kind], score
 
 
 def test_a_whole_tool_round_trip_through_the_sdk(client: openai.OpenAI) -> None:
@@ -113,7 +94,7 @@ def test_a_whole_tool_round_trip_through_the_sdk(client: openai.OpenAI) -> None:
         answer = (second.choices[0].message.content or "").strip()
         right_answers += answer == str(args["a"] - args["b"]) and not second.choices[0].message.tool_calls
     print(f"round trips: {right_calls}/{len(cases)} right calls, {right_answers}/{len(cases)} right answers")
-    assert right_calls >= 7 and right_answers >= 6
+    assert right_calls >= 9 and right_answers >= 8
 
 
 def test_non_ascii_text_round_trips(client: openai.OpenAI) -> None:
