@@ -388,13 +388,13 @@ def _fit(
     opts: dict[str, Any],
 ) -> tuple[dict[str, Any], int]:
     """Run the trainer; returns the final ``result.json`` (plus a local copy of ``hf/``)."""
+    workers = int(opts["workers"])
+    stop_ray = _init_ray(workers, opts["ray_address"])  # first: before this process imports Ray
     import ray
 
     from training.loop import HF_DIR, RESULT_FILE
     from training.progress import ProgressPrinter
 
-    workers = int(opts["workers"])
-    stop_ray = _init_ray(workers, opts["ray_address"])
     try:
         printer = ProgressPrinter(label, int(hyper["steps"])).start()
         config = {"label": label, "base_dir": base.directory, "seed": seed, "board": printer.board}
