@@ -44,6 +44,7 @@ DEFAULT_CHECKPOINT_EVERY = 200
 METHODS = ("full", "lora")
 JOB_FILE = "job.json"
 DEFAULT_WORKERS = 2
+PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 CACHE_DIR = Path(os.environ.get("RAYSTACK_CACHE", Path.home() / ".cache" / "raystack"))
 
 
@@ -131,10 +132,18 @@ def _init_ray(workers: int, ray_address: str | None) -> Callable[[], None] | Non
     # Logical CPUs: one per rank plus headroom; each rank sets its own torch thread count. No
     # dashboard and no job API: nothing but this process uses the instance (_private_trainer).
     num_cpus = max(workers + 1, os.cpu_count() or 1)
+    # Ray Train's preemption watcher polls for nodes being drained; this instance is one node that
+    # lives and dies with this process, and the watcher's creation logs an internal error line.
+    saved = os.environ.get(PREEMPTION_WATCHER)
+    os.environ[PREEMPTION_WATCHER] = "0"
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
 
     def stop() -> None:
         ray.shutdown()
+        if saved is None:
+            os.environ.pop(PREEMPTION_WATCHER, None)
+        else:
+            os.environ[PREEMPTION_WATCHER] = saved
         if restore is not None:
             restore()
 

@@ -99,6 +99,7 @@ def test_fine_tune_user_jsonl_resumes_after_kill_and_vllm_serves_it(tmp_path: Pa
     assert not any("Reporting training result" in line for line in seen), "Ray Train chatter is back"
     # the job's own Ray runs with the job's private token: Ray's default token would warn
     assert not any("Token authentication is enabled for this Ray cluster" in line for line in seen), "".join(seen)
+    assert not any("PreemptionWatcher" in line for line in seen), "".join(seen)  # no watcher on its own Ray
 
     store = CheckpointStore(str(root))
     assert store.list_versions("maxer") == [] and not store.exists("maxer", "v1")
@@ -150,10 +151,10 @@ token = os.environ["RAY_AUTH_TOKEN_PATH"]
 web = ray._private.worker.global_worker.node.address_info.get("webui_url")
 print(os.environ["RAY_AUTH_MODE"], oct(os.stat(token).st_mode & 0o777), web)
 stop()
-print("after", os.environ.get("RAY_AUTH_MODE"))
+print("after", os.environ.get("RAY_AUTH_MODE"), os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"))
 """
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=180)
     lines = out.stdout.split("\n")
     assert lines[0] in ("token 0o600 None", "token 0o600 "), out.stdout + out.stderr
-    assert lines[1] == "after None"
+    assert lines[1] == "after None None"
