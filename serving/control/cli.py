@@ -5,6 +5,7 @@ Every command reads the same stack config file (``--config``, default ``deployme
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -84,7 +85,9 @@ def up(config: Path = ConfigOpt, timeout: float = typer.Option(900, help="Second
     seed = _load(config, live=False)
     cfg = _load(config)  # the live versions of the store's record: a re-run keeps promotions
     try:
-        state = stack_up(cfg, config.resolve().parent, LOCAL_ENV, timeout, log=console.print, seed=seed)
+        # one line per message, never wrapped: a status line of four applications passes 80 columns
+        log = functools.partial(console.print, soft_wrap=True, markup=False, highlight=False)
+        state = stack_up(cfg, config.resolve().parent, LOCAL_ENV, timeout, log=log, seed=seed)
     except (RuntimeError, TimeoutError, FileNotFoundError, ConfigError) as exc:
         console.print(f"serving up failed: {exc}", style="red", markup=False)
         console.print(f"Stop what started with: serving down -c {config}", markup=False)
