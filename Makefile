@@ -15,15 +15,14 @@ UV     := uv==0.13.9
 
 .PHONY: install tools up down status check test test-unit test-integration test-e2e clean
 
-# The venv gets uv first, which installs the project from the sources pip is set up with
-# (scripts/uv_pip.py: ~30 s against pip's ~105 s for the same packages, bytecode compiled).
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q $(UV)
 
+# pip puts uv into the venv, and uv installs the project from the sources pip is set up with
+# (scripts/uv_pip.py: ~30 s against pip's ~105 s for the same packages, bytecode compiled).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	@test -x $(BIN)/uv || $(BIN)/python -m pip install -q $(UV)
+	test -x $(BIN)/uv || $(BIN)/python -m pip install -q $(UV)
 	$(BIN)/python scripts/uv_pip.py install -q --compile-bytecode $(TORCH_INDEX) -e '.[cpu,train,dev,loadtest]'
 	# PyPI's torchvision/torchaudio do not import beside the CPU torch and break transformers.
 	$(BIN)/python scripts/uv_pip.py uninstall -q torchvision torchaudio torchcodec || true

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-LISTS = {"index-url": "index-url", "extra-index-url": "extra-index-url", "find-links": "find-links"}
+SETTINGS = ("index-url", "extra-index-url", "find-links", "constraint")  # pip's names, and uv's
 
 
 def pip_sources(pip_config: str) -> dict[str, list[str]]:
@@ -37,7 +37,7 @@ def pip_sources(pip_config: str) -> dict[str, list[str]]:
     for line in pip_config.splitlines():
         key, sep, raw = line.partition("=")
         name = key.rsplit(".", 1)[-1]
-        if not sep or name not in (*LISTS, "constraint"):
+        if not sep or name not in SETTINGS:
             continue
         for value in " ".join(shlex.split(raw)).split():
             if value not in found.setdefault(name, []):
