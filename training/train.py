@@ -134,20 +134,32 @@ def _init_ray(workers: int, ray_address: str | None) -> Callable[[], None] | Non
     num_cpus = max(workers + 1, os.cpu_count() or 1)
     # Ray Train's preemption watcher polls for nodes being drained; this instance is one node that
     # lives and dies with this process, and the watcher's creation logs an internal error line.
-    saved = os.environ.get(PREEMPTION_WATCHER)
-    os.environ[PREEMPTION_WATCHER] = "0"
+    put_back = _set_environ({PREEMPTION_WATCHER: "0"})
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
 
     def stop() -> None:
         ray.shutdown()
-        if saved is None:
-            os.environ.pop(PREEMPTION_WATCHER, None)
-        else:
-            os.environ[PREEMPTION_WATCHER] = saved
+        put_back()
         if restore is not None:
             restore()
 
     return stop
+
+
+def _set_environ(values: dict[str, str]) -> Callable[[], None]:
+    """Set ``values`` in this process's environment (Ray's processes inherit it); returns what
+    puts each variable back as it was, or removes it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ |= values
+
+    def put_back() -> None:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    return put_back
 
 
 def _private_ray_auth() -> Callable[[], None]:
@@ -158,15 +170,10 @@ def _private_ray_auth() -> Callable[[], None]:
     token = Path(directory) / "token"
     token.touch(mode=0o600)
     token.write_text(secrets.token_hex(32))
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
-    os.environ |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    put_back = _set_environ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
 
     def restore() -> None:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        put_back()
         shutil.rmtree(directory, ignore_errors=True)
 
     return restore
