@@ -146,11 +146,15 @@ def _init_ray(workers: int, ray_address: str | None) -> Callable[[], None] | Non
     return stop
 
 
-def _set_environ(values: dict[str, str]) -> Callable[[], None]:
-    """Set ``values`` in this process's environment (Ray's processes inherit it); returns what
-    puts each variable back as it was, or removes it."""
+def _set_environ(values: dict[str, str | None]) -> Callable[[], None]:
+    """Set ``values`` in this process's environment (Ray's processes inherit it; ``None`` removes
+    a variable); returns what puts each variable back as it was, or removes it."""
     saved = {k: os.environ.get(k) for k in values}
-    os.environ |= values
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
     def put_back() -> None:
         for key, value in saved.items():
@@ -163,20 +167,11 @@ def _set_environ(values: dict[str, str]) -> Callable[[], None]:
 
 
 def _private_ray_auth() -> Callable[[], None]:
-    """Token authentication for the job's own Ray instance: a random token in a 0600 file of a
-    private temporary directory, named in this process's environment (which Ray's processes
-    inherit). Returns what puts the environment back and removes the token."""
-    directory = tempfile.mkdtemp(prefix="raystack-train-auth-")
-    token = Path(directory) / "token"
-    token.touch(mode=0o600)
-    token.write_text(secrets.token_hex(32))
-    put_back = _set_environ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
-
-    def restore() -> None:
-        put_back()
-        shutil.rmtree(directory, ignore_errors=True)
-
-    return restore
+    """Token authentication for the job's own Ray instance: a random token held only in this
+    process's environment (which Ray's processes inherit and no other user can read), never in a
+    file, so a killed job leaves no token behind. Returns what puts the environment back."""
+    token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_AUTH_TOKEN_PATH": None}
+    return _set_environ(token)
 
 
 def _private_trainer(base: Any) -> Any:

@@ -141,20 +141,31 @@ def test_fine_tune_user_jsonl_resumes_after_kill_and_vllm_serves_it(tmp_path: Pa
 
 def test_the_jobs_own_ray_needs_its_token() -> None:
     """A job that starts its own Ray (no RAY_ADDRESS) runs it with Ray's token authentication, a
-    token only that process holds, and no dashboard or job API; the environment is put back after."""
+    token only that process's environment holds (no file, so a killed job leaves none behind), and
+    no dashboard or job API; a client without the token is refused; the environment is put back
+    after."""
     probe = """
 import os
 from training.train import _init_ray
 stop = _init_ray(1, None)
 import ray
-token = os.environ["RAY_AUTH_TOKEN_PATH"]
-web = ray._private.worker.global_worker.node.address_info.get("webui_url")
-print(os.environ["RAY_AUTH_MODE"], oct(os.stat(token).st_mode & 0o777), web)
+import subprocess, sys
+node = ray._private.worker.global_worker.node
+web = node.address_info.get("webui_url")
+print(os.environ["RAY_AUTH_MODE"], len(os.environ["RAY_AUTH_TOKEN"]), os.environ.get("RAY_AUTH_TOKEN_PATH"), web)
+# another process of this user, without the token: Ray refuses it
+env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+probe = f"import ray; ray.init(address={node.address!r}); print('connected')"
+other = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+print("without token", other.returncode != 0 and "connected" not in other.stdout)
 stop()
-print("after", os.environ.get("RAY_AUTH_MODE"), os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"))
+print("after", os.environ.get("RAY_AUTH_MODE"), os.environ.get("RAY_AUTH_TOKEN"), os.environ.get("RAY_AUTH_TOKEN_PATH"),
+      os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"))
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    env["RAY_AUTH_TOKEN_PATH"] = "/nonexistent/token"  # a stack's token path in the caller's environment is set aside
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=180)
     lines = out.stdout.split("\n")
-    assert lines[0] in ("token 0o600 None", "token 0o600 "), out.stdout + out.stderr
-    assert lines[1] == "after None None"
+    assert lines[0] in ("token 64 None None", "token 64 None "), out.stdout + out.stderr
+    assert lines[1] == "without token True", out.stdout + out.stderr
+    assert lines[2] == "after None None /nonexistent/token None", out.stdout + out.stderr
