@@ -244,19 +244,29 @@ def wait_http(base_url: str, timeout_s: float = 60) -> None:
     wait_until(ready, timeout_s, 1, f"{base_url}/ready did not answer 200")
 
 
-def _group_commands(pgid: int, proc: Path = Path("/proc")) -> set[str]:
-    """The command names (comm) of the live processes of process group ``pgid``; zombies left out.
-    Without /proc (not Linux) the group counts as still running its raylet."""
-    if not proc.is_dir():
-        return {"raylet"}
-    names = set()
+def _group_processes(pgid: int, proc: Path = Path("/proc")) -> dict[int, str]:
+    """The live processes of process group ``pgid`` (zombies left out): pid -> command name (comm)."""
+    found = {}
     for d in proc.iterdir():
         if not d.name.isdigit():
             continue
         stat = proc_stat(d)
         if stat is not None and stat[1][0] != "Z" and int(stat[1][2]) == pgid:
-            names.add(stat[0])
-    return names
+            found[int(d.name)] = stat[0]
+    return found
+
+
+def _group_commands(pgid: int, proc: Path = Path("/proc")) -> set[str]:
+    """The command names of the live processes of process group ``pgid``. Without /proc (not
+    Linux) the group counts as still running its raylet."""
+    return set(_group_processes(pgid, proc).values()) if proc.is_dir() else {"raylet"}
+
+
+def _group_pids(pgid: int, command: str, proc: Path = Path("/proc")) -> list[int]:
+    """The pids of process group ``pgid`` running ``command``; none without /proc."""
+    if not proc.is_dir():
+        return []
+    return [pid for pid, name in _group_processes(pgid, proc).items() if name == command]
 
 
 def stop_stack(name: str, log: Any = print) -> bool:
@@ -270,12 +280,14 @@ def stop_stack(name: str, log: Any = print) -> bool:
             poll(lambda: not serve_status(state).get("applications"), 60, 1)
         except httpx.HTTPError:
             pass
-        # SIGTERM: the raylet stops its workers and exits. What is left then (the GCS, which
-        # lingers some 20 s on SIGTERM, the log monitor, `ray start --block`) holds nothing a
-        # stopped local head needs, so it gets SIGKILL at once rather than after the 30 s cap.
+        # SIGTERM to the raylet alone: it stops its workers, unregisters from the GCS and exits
+        # within a second. With the GCS signalled too it retries the dead GCS for some 10 s
+        # first. What is left then (the GCS, the dashboard, the log monitor, `ray start
+        # --block`) holds nothing a stopped local head needs, so it gets SIGKILL at once.
         try:
-            os.killpg(state.ray_pid, signal.SIGTERM)
-            poll(lambda: not pid_alive(state.ray_pid) or "raylet" not in _group_commands(state.ray_pid), 30, 0.5)
+            for pid in _group_pids(state.ray_pid, "raylet"):
+                os.kill(pid, signal.SIGTERM)
+            poll(lambda: not pid_alive(state.ray_pid) or "raylet" not in _group_commands(state.ray_pid), 30, 0.1)
             os.killpg(state.ray_pid, signal.SIGKILL)
             poll(lambda: not pid_alive(state.ray_pid), 5, 0.2)
         except ProcessLookupError:

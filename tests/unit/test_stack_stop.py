@@ -1,5 +1,6 @@
-"""`serving down`'s last step on real processes: the Ray head's process group gets SIGTERM, and
-once its raylet has exited whatever lingers (the GCS lingers some 20 s on SIGTERM) gets SIGKILL."""
+"""`serving down`'s last step on real processes: the raylet alone gets SIGTERM (a real raylet
+whose GCS is gone retries it for some 10 s before it exits), and once it has exited the rest of
+the Ray head's process group gets SIGKILL."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ def test_stop_kills_what_lingers_once_the_raylet_is_gone(tmp_path: Path, monkeyp
     from serving.control import stack
 
     monkeypatch.setattr(stack, "RUN_DIR", tmp_path)
-    # a stand-in head: a "raylet" that takes 2 s to exit on SIGTERM, a "gcs_server" that ignores it
+    # a stand-in head: a "raylet" that takes 2 s to exit on SIGTERM, a "gcs_server" that notes
+    # a SIGTERM in a file (it must get none: the raylet unregisters from it first)
     name = "import ctypes, signal, sys, time; ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0); "
     raylet = name + "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2), sys.exit(0))); time.sleep(300)"
-    gcs = name + "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+    noted = tmp_path / "gcs-got-sigterm"
+    gcs = name + f"signal.signal(signal.SIGTERM, lambda *_: open({str(noted)!r}, 'w').close()); time.sleep(300)"
     head = (
         "import signal, subprocess, sys, time\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
@@ -39,6 +42,7 @@ def test_stop_kills_what_lingers_once_the_raylet_is_gone(tmp_path: Path, monkeyp
         assert 2 <= time.monotonic() - t0 < 15  # the raylet's own exit, not the 30 s cap
         proc.wait(timeout=5)
         assert stack._group_commands(proc.pid) == set()
+        assert not noted.exists()  # the GCS stayed up until the raylet was gone
         assert stack.StackState.load("t") is None
     finally:
         subprocess.run(["pkill", "-KILL", "-g", str(proc.pid)], check=False)
