@@ -217,7 +217,7 @@ def wait_running(state: StackState, apps: list[str], timeout_s: float, log: Any 
             raise RuntimeError(f"application {failed[0]} failed: {_failure(details[failed[0]])}")
         return all(s == "RUNNING" for s in statuses.values())
 
-    if not poll(running, timeout_s, 2):
+    if not poll(running, timeout_s, 1):
         raise TimeoutError(f"applications not RUNNING after {timeout_s:.0f}s: {last[0]}")
 
 
@@ -241,7 +241,7 @@ def wait_http(base_url: str, timeout_s: float = 60) -> None:
         except httpx.HTTPError:
             return False
 
-    wait_until(ready, timeout_s, 1, f"{base_url}/ready did not answer 200")
+    wait_until(ready, timeout_s, 0.25, f"{base_url}/ready did not answer 200")
 
 
 def _group_processes(pgid: int, proc: Path = Path("/proc")) -> dict[int, str]:

@@ -152,7 +152,8 @@ import ray
 import subprocess, sys
 node = ray._private.worker.global_worker.node
 web = node.address_info.get("webui_url")
-print(os.environ["RAY_AUTH_MODE"], len(os.environ["RAY_AUTH_TOKEN"]), os.environ.get("RAY_AUTH_TOKEN_PATH"), web)
+print(os.environ["RAY_AUTH_MODE"], len(os.environ["RAY_AUTH_TOKEN"]), os.environ.get("RAY_AUTH_TOKEN_PATH"), web,
+      os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"])
 # another process of this user, without the token: Ray refuses it
 env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
 probe = f"import ray; ray.init(address={node.address!r}); print('connected')"
@@ -160,12 +161,12 @@ other = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=
 print("without token", other.returncode != 0 and "connected" not in other.stdout)
 stop()
 print("after", os.environ.get("RAY_AUTH_MODE"), os.environ.get("RAY_AUTH_TOKEN"), os.environ.get("RAY_AUTH_TOKEN_PATH"),
-      os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"))
+      os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"), os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"))
 """
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     env["RAY_AUTH_TOKEN_PATH"] = "/nonexistent/token"  # a stack's token path in the caller's environment is set aside
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=180)
     lines = out.stdout.split("\n")
-    assert lines[0] in ("token 64 None None", "token 64 None "), out.stdout + out.stderr
+    assert lines[0] in ("token 64 None None 0.5", "token 64 None  0.5"), out.stdout + out.stderr
     assert lines[1] == "without token True", out.stdout + out.stderr
-    assert lines[2] == "after None None /nonexistent/token None", out.stdout + out.stderr
+    assert lines[2] == "after None None /nonexistent/token None None", out.stdout + out.stderr
