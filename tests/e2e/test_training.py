@@ -154,8 +154,8 @@ node = ray._private.worker.global_worker.node
 web = node.address_info.get("webui_url")
 print(os.environ["RAY_AUTH_MODE"], len(os.environ["RAY_AUTH_TOKEN"]), os.environ.get("RAY_AUTH_TOKEN_PATH"), web,
       os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"])
-# another process of this user, without the token: Ray refuses it
-env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+# another process of this user, without the token: Ray refuses it (2 tries, not Ray's 20, 1 s apart)
+env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"} | {"RAY_gcs_server_port_wait_time_s": "2"}
 probe = f"import ray; ray.init(address={node.address!r}); print('connected')"
 other = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
 print("without token", other.returncode != 0 and "connected" not in other.stdout)
