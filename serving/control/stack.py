@@ -8,6 +8,7 @@ a fresh random token per stack in ``.run/<stack>.token``, mode 0600). Its pid is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -244,8 +245,11 @@ def wait_http(base_url: str, timeout_s: float = 60) -> None:
     wait_until(ready, timeout_s, 0.25, f"{base_url}/ready did not answer 200")
 
 
-def _group_processes(pgid: int, proc: Path = Path("/proc")) -> dict[int, str]:
-    """The live processes of process group ``pgid`` (zombies left out): pid -> command name (comm)."""
+def _group_processes(pgid: int, proc: Path = Path("/proc")) -> dict[int, str] | None:
+    """The live processes of process group ``pgid`` (zombies left out): pid -> command name
+    (comm); None without /proc (not Linux)."""
+    if not proc.is_dir():
+        return None
     found = {}
     for d in proc.iterdir():
         if not d.name.isdigit():
@@ -257,16 +261,10 @@ def _group_processes(pgid: int, proc: Path = Path("/proc")) -> dict[int, str]:
 
 
 def _group_commands(pgid: int, proc: Path = Path("/proc")) -> set[str]:
-    """The command names of the live processes of process group ``pgid``. Without /proc (not
-    Linux) the group counts as still running its raylet."""
-    return set(_group_processes(pgid, proc).values()) if proc.is_dir() else {"raylet"}
-
-
-def _group_pids(pgid: int, command: str, proc: Path = Path("/proc")) -> list[int]:
-    """The pids of process group ``pgid`` running ``command``; none without /proc."""
-    if not proc.is_dir():
-        return []
-    return [pid for pid, name in _group_processes(pgid, proc).items() if name == command]
+    """The command names of the live processes of process group ``pgid``. Without /proc the group
+    counts as still running its raylet."""
+    found = _group_processes(pgid, proc)
+    return {"raylet"} if found is None else set(found.values())
 
 
 def stop_stack(name: str, log: Any = print) -> bool:
@@ -285,8 +283,12 @@ def stop_stack(name: str, log: Any = print) -> bool:
         # first. What is left then (the GCS, the dashboard, the log monitor, `ray start
         # --block`) holds nothing a stopped local head needs, so it gets SIGKILL at once.
         try:
-            for pid in _group_pids(state.ray_pid, "raylet"):
-                os.kill(pid, signal.SIGTERM)
+            found = _group_processes(state.ray_pid)
+            if found is None:  # no /proc to find the raylet by: the whole group
+                os.killpg(state.ray_pid, signal.SIGTERM)
+            for pid in [p for p, name in (found or {}).items() if name == "raylet"]:
+                with contextlib.suppress(ProcessLookupError):  # exited since: the group still gets SIGKILL
+                    os.kill(pid, signal.SIGTERM)
             poll(lambda: not pid_alive(state.ray_pid) or "raylet" not in _group_commands(state.ray_pid), 30, 0.1)
             os.killpg(state.ray_pid, signal.SIGKILL)
             poll(lambda: not pid_alive(state.ray_pid), 5, 0.2)
