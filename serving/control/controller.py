@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from serving.config import ModelConfig, ModelVersion, PromotionPolicy, StackConfig
-from serving.control.serve_config import app_name
+from serving.control.serve_config import app_name, base_version_for
 from serving.control.watch import Verdict, VersionStats, judge, merge
 from serving.record import ControlStore, PromotionRecord, PromotionRequest, StepRecord, StoreLock
 from serving.registry import CheckpointStore, Manifest, RegistryError, _natural_key, manifest_at
@@ -144,7 +144,8 @@ class Controller:
     # -- adapters and their bases ---------------------------------------------------------------
 
     def base_version(self, adapter: ModelConfig, version: str) -> str | None:
-        """The base version an adapter version was trained on (its manifest's ``base.ref``)."""
+        """The base version an adapter version runs on: the one its manifest's ``base.ref`` names
+        (:func:`~serving.control.serve_config.base_version_for`)."""
         key = (adapter.name, version)
         if key not in self._trained_on:
             # where the version is served from: its configured path, else the store's layout
@@ -153,8 +154,8 @@ class Controller:
             if manifest is None:
                 manifest = self.store.manifest(adapter.name, version)
             ref = manifest.base.ref if manifest.base else ""
-            model, _, base_version = ref.partition("@")
-            if model != adapter.base or not base_version:
+            base_version = base_version_for(self.seed, self.seed.model(adapter.base or ""), ref, self.base)
+            if base_version is None:
                 raise RegistryError(f"{adapter.name}@{version} is not an adapter of {adapter.base} (base {ref!r})")
             self._trained_on[key] = base_version
         return self._trained_on[key]

@@ -35,6 +35,7 @@ __all__ = [
     "adapter_bases",
     "admin_access",
     "app_name",
+    "base_version_for",
     "build_serve_config",
     "routing_user_config",
     "serving_app",
@@ -64,9 +65,9 @@ Bases = dict[tuple[str, str], str]  # (adapter, version) -> the base version it 
 
 def adapter_bases(cfg: StackConfig, base: Path | None = None, read_manifests: bool = False) -> Bases:
     """The base version each adapter version runs on: the one its manifest says it was trained on
-    (``base.ref``), which must be a configured version of its base (any weight, 0 included), with
-    a rank the base's ``max_lora_rank`` admits. Without manifests (an offline render, a version
-    still to be trained): the base's live version."""
+    (``base.ref``, see :func:`base_version_for`), which must be a configured version of its base
+    (any weight, 0 included), with a rank the base's ``max_lora_rank`` admits. Without manifests
+    (an offline render, a version still to be trained): the base's live version."""
     out: Bases = {}
     for m in cfg.models:
         if m.base is None:
@@ -74,15 +75,35 @@ def adapter_bases(cfg: StackConfig, base: Path | None = None, read_manifests: bo
         b = cfg.model(m.base)
         for v in m.versions:
             manifest = manifest_at(cfg.version_path(m, v, base)) if read_manifests else None
-            out[(m.name, v.version)] = _trained_on(cfg, m, v, b, manifest) if manifest else b.live_version
+            out[(m.name, v.version)] = _trained_on(cfg, m, v, b, manifest, base) if manifest else b.live_version
     return out
 
 
-def _trained_on(cfg: StackConfig, m: ModelConfig, v: ModelVersion, b: ModelConfig, manifest: Any) -> str:
+def base_version_for(cfg: StackConfig, b: ModelConfig, ref: str, base: Path | None = None) -> str | None:
+    """The version of base model ``b`` that holds the checkpoint ``ref`` (``model@version``: what an
+    adapter's manifest says it was trained on). When ``b`` is ``model``: ``version``, served or not.
+    Else a version of ``b`` served from that very checkpoint (its manifest is ``ref``'s, as for a
+    ``path:`` to it), for example the same weights deployed under another name with another router;
+    None when ``b`` serves none."""
+    model, _, version = ref.partition("@")
+    if not model or not version:
+        return None
+    if model == b.name:
+        return version
+    for bv in b.versions:
+        held = manifest_at(cfg.version_path(b, bv, base))
+        if held is not None and (held.model, held.version) == (model, version):
+            return bv.version
+    return None
+
+
+def _trained_on(
+    cfg: StackConfig, m: ModelConfig, v: ModelVersion, b: ModelConfig, manifest: Any, base: Path | None
+) -> str:
     where = f"models[{m.name}].versions[{v.version}]"
     ref = manifest.base.ref if manifest.base and manifest.base.source == "store" else ""
-    model, _, version = ref.partition("@")
-    if manifest.adapter is None or model != b.name:
+    version = base_version_for(cfg, b, ref, base) if manifest.adapter is not None else None
+    if version is None:
         raise ConfigError(f"{where}: not a LoRA adapter of {b.name!r} (its manifest's base is {ref or 'none'})")
     if b.version(version) is None:
         served = ", ".join(x.version for x in b.versions)

@@ -1,11 +1,16 @@
 """router: kv_aware on the running stack: the gateways route a repeated long prefix to the replica
-whose engine reports the prefix-cache hits, from the engines' own KV events."""
+whose engine reports the prefix-cache hits, from the engines' own KV events; an adapter's blocks
+carry its name in the engine's events as in the gateway's keys."""
 
 from __future__ import annotations
+
+import asyncio
 
 import httpx
 import pytest
 
+from serving.contract import Record
+from serving.gateway.kv_index import KVFeeds
 from serving.metrics import parse_prometheus_values
 from tests.conftest import Stack
 from tests.integration.raytools import ray_run
@@ -25,13 +30,17 @@ def _counters(record: dict[str, str]) -> dict[str, float]:
     return parse_prometheus_values(text, set(HITS))
 
 
-def _chat(stack: Stack, system: str, user: str) -> httpx.Response:
-    body = {
-        "model": "adder-kv",
+def _body(system: str, user: str, model: str = "adder-kv") -> dict:
+    return {
+        "model": model,
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
         "max_tokens": 2,
         "temperature": 0,
     }
+
+
+def _chat(stack: Stack, system: str, user: str, model: str = "adder-kv") -> httpx.Response:
+    body = _body(system, user, model)
     r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers=stack.headers(), timeout=120)
     assert r.status_code == 200, r.text
     return r
@@ -57,3 +66,46 @@ def test_a_repeated_long_prefix_goes_to_the_replica_whose_engine_has_it_cached(s
         # each repeat found its prefix's two full blocks in that engine's cache
         assert hits >= repeats * 2 * 128, (rep, hits, repeats)
     assert len({w[0] for w in served.values()}) == 2, served  # four prefixes, balanced over both
+
+
+async def _engine_state(records: list[Record], system: str, adapter: str) -> dict[str, tuple[int, int]]:
+    """What a gateway replica started now learns from the engines' block streams (each engine's
+    whole state first): per replica, how many of the prompt's leading blocks it holds keyed with
+    ``adapter`` and keyed as the base's."""
+    feeds = KVFeeds()
+    feeds.sync(records)
+    body = _body(system, "1-1=")
+    try:
+        for _ in range(600):
+            keys = feeds.keys(APP, "chat", body, adapter)
+            if keys and all(feeds.index.blocks_held(APP, r.replica) for r in records):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # every stream's first line read
+        with_adapter = feeds.keys(APP, "chat", body, adapter)
+        as_base = feeds.keys(APP, "chat", body, None)
+        assert with_adapter and as_base and len(with_adapter) >= 2
+        # no pending routes in this index: a match is what an engine reported
+        return {
+            r.replica: (feeds.index.matched(APP, r.replica, with_adapter), feeds.index.matched(APP, r.replica, as_base))
+            for r in records
+        }
+    finally:
+        feeds.stop()
+        await asyncio.sleep(0)
+
+
+def test_an_adapters_blocks_carry_its_name_in_the_engines_events_and_the_gateways_keys(stack: Stack) -> None:
+    """vLLM keys an adapter's blocks apart from the base's (``lora_name`` in its events): the
+    gateway's keys for an adapter request must be those, or adapter traffic routes by load only."""
+    system = "Adapter session: you subtract the second number from the first, answer only. " * 10
+    replies = [_chat(stack, system, f"{40 + i}-{i}=", model="kv-lora") for i in range(3)]
+    assert replies[0].json()["usage"]["prompt_tokens"] > 2 * 128  # at least two full CPU blocks
+    served = [r.headers["x-replica"] for r in replies]
+    assert len(set(served)) == 1, served  # repeats go to the replica that holds the adapter and prefix
+    records = [
+        Record(**(r | {"adapters": frozenset(r["adapters"])})) for r in ray_run(stack, RECORDS) if r["app"] == APP
+    ]
+    state = asyncio.run(_engine_state(records, system, "kv-lora@v1"))
+    assert state[served[0]][0] >= 2, state  # the engine's events, keyed with the adapter's name
+    assert all(base == 0 for _, base in state.values()), state  # never as the base's blocks

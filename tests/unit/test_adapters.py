@@ -115,6 +115,28 @@ def test_an_adapter_on_an_unserved_base_or_above_the_rank_is_refused(tmp_path: P
     assert serving_app(parse_config(_stack(tmp_path)), "sub", "v1") == "calc--v1"
 
 
+def test_an_adapter_runs_on_its_base_checkpoint_served_under_another_name(tmp_path: Path) -> None:
+    """sub@v1 was trained on calc@v1; calc-kv serves calc@v1's own folder (another router, say):
+    sub may name calc-kv as its base, and runs on the version holding that checkpoint. A version
+    of other weights is refused, and so is the same name at another version."""
+    _publish(tmp_path, "calc", "v1")
+    _publish(tmp_path, "calc", "v2")
+    _publish_adapter(tmp_path, "sub", "v1", "calc@v1")
+    stack = _stack(tmp_path, [{"name": "sub", "base": "calc-kv", "versions": [{"version": "v1"}]}])
+    same = {"name": "calc-kv", "versions": [{"version": "v2", "weight": 0, "path": str(tmp_path / "calc" / "v2")},
+                                            {"version": "v9", "path": str(tmp_path / "calc" / "v1")}]}  # fmt: skip
+    stack["models"].append(same)
+    cfg = parse_config(stack)
+    assert adapter_bases(cfg, read_manifests=True) == {("sub", "v1"): "v9"}
+    assert serving_app(cfg, "sub", "v1", adapter_bases(cfg, read_manifests=True)) == "calc-kv--v9"
+    clock = Clock()
+    (tmp_path / "ck").mkdir()
+    assert _controller(tmp_path, stack, clock, Cluster(clock)).base_version(cfg.model("sub"), "v1") == "v9"
+    same["versions"] = [{"version": "v2", "path": str(tmp_path / "calc" / "v2")}]  # only calc@v2's weights
+    with pytest.raises(ConfigError, match=r"not a LoRA adapter of 'calc-kv' \(its manifest's base is calc@v1\)"):
+        build_serve_config(parse_config(stack), read_manifests=True)
+
+
 def test_the_gateway_picks_a_replica_that_holds_the_adapter() -> None:
     table = EndpointTable()
     table.update(
