@@ -80,32 +80,33 @@ class StackState:
 
 def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
     """Train every version that is missing locally and has a recipe; fail clearly otherwise;
-    then check each model's parallel layout against its checkpoint and this machine."""
-    for m in cfg.models:
-        for v in m.versions:
-            path = cfg.version_path(m, v, base)
-            if "://" in path:
-                continue
-            built = Path(path) / ("adapter_config.json" if m.base else "config.json")
-            if not built.exists():
-                if v.recipe is None:
-                    raise FileNotFoundError(f"{m.name}@{v.version}: no checkpoint at {path} and no recipe")
-                r = v.recipe
-                log(f"building {m.name}@{v.version} from {r.base} on {r.data} with the training job...")
-                p = Path(path)  # <root>/<model>/<version>
-                # its own process: the job starts (and stops) its own private, authenticated Ray
-                cmd = [sys.executable, "-m", "training.train", "--root", str(p.parent.parent)]
-                cmd += ["--model", p.parent.name, "--version", p.name, "--base", r.base, "--data", r.data]
-                cmd += ["--method", r.method, "--seed", str(r.seed)]
-                cmd += ["--eval", r.eval] if r.eval else []
-                cmd += ["--steps", str(r.steps)] if r.steps else []
-                cmd += ["--lora-rank", str(r.lora_rank)] if r.lora_rank else []
-                cmd += ["--lora-alpha", str(r.lora_alpha)] if r.lora_alpha else []
-                if subprocess.run(cmd, check=False).returncode != 0:
-                    raise RuntimeError(f"{m.name}@{v.version}: the training job failed (its output is above)")
-            if m.base is None:  # an adapter runs in its base's layout
-                hf = json.loads((Path(path) / "config.json").read_text())
-                check_layout(m, hf, float(cfg.local_ray.num_cpus), None)
+    then check each model's parallel layout against its checkpoint and this machine. Versions
+    with a recipe come first: a ``path:`` version may be another name for one of them."""
+    versions = [(m, v) for m in cfg.models for v in m.versions]
+    for m, v in sorted(versions, key=lambda mv: mv[1].recipe is None):
+        path = cfg.version_path(m, v, base)
+        if "://" in path:
+            continue
+        built = Path(path) / ("adapter_config.json" if m.base else "config.json")
+        if not built.exists():
+            if v.recipe is None:
+                raise FileNotFoundError(f"{m.name}@{v.version}: no checkpoint at {path} and no recipe")
+            r = v.recipe
+            log(f"building {m.name}@{v.version} from {r.base} on {r.data} with the training job...")
+            p = Path(path)  # <root>/<model>/<version>
+            # its own process: the job starts (and stops) its own private, authenticated Ray
+            cmd = [sys.executable, "-m", "training.train", "--root", str(p.parent.parent)]
+            cmd += ["--model", p.parent.name, "--version", p.name, "--base", r.base, "--data", r.data]
+            cmd += ["--method", r.method, "--seed", str(r.seed)]
+            cmd += ["--eval", r.eval] if r.eval else []
+            cmd += ["--steps", str(r.steps)] if r.steps else []
+            cmd += ["--lora-rank", str(r.lora_rank)] if r.lora_rank else []
+            cmd += ["--lora-alpha", str(r.lora_alpha)] if r.lora_alpha else []
+            if subprocess.run(cmd, check=False).returncode != 0:
+                raise RuntimeError(f"{m.name}@{v.version}: the training job failed (its output is above)")
+        if m.base is None:  # an adapter runs in its base's layout
+            hf = json.loads((Path(path) / "config.json").read_text())
+            check_layout(m, hf, float(cfg.local_ray.num_cpus), None)
 
 
 def _port_free(port: int) -> bool:
