@@ -207,7 +207,11 @@ class ModelVersion(_Strict):
     """One servable version of a model: its weights and its share of the model's traffic."""
 
     version: str = Field(description="Version name (a folder of the checkpoint store).")
-    path: str | None = Field(None, description="Checkpoint directory; default <checkpoint_root>/<model>/<version>.")
+    path: str | None = Field(
+        None,
+        description="Checkpoint directory; default <checkpoint_root>/<model>/<version>. It may be another "
+        "version's (the same checkpoint under another name; serving up builds the versions with a recipe first).",
+    )
     weight: int = Field(100, ge=0, le=100, description="Percent of the bare model name's traffic.")
     recipe: TrainRecipe | None = Field(None, description="Train this version if it is missing.")
 
