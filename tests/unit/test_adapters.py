@@ -127,8 +127,9 @@ def test_an_adapter_runs_on_its_base_checkpoint_served_under_another_name(tmp_pa
                                             {"version": "v9", "path": str(tmp_path / "calc" / "v1")}]}  # fmt: skip
     stack["models"].append(same)
     cfg = parse_config(stack)
-    assert adapter_bases(cfg, read_manifests=True) == {("sub", "v1"): "v9"}
-    assert serving_app(cfg, "sub", "v1", adapter_bases(cfg, read_manifests=True)) == "calc-kv--v9"
+    bases = adapter_bases(cfg, read_manifests=True)
+    assert bases == {("sub", "v1"): "v9"}
+    assert serving_app(cfg, "sub", "v1", bases) == "calc-kv--v9"
     clock = Clock()
     (tmp_path / "ck").mkdir()
     assert _controller(tmp_path, stack, clock, Cluster(clock)).base_version(cfg.model("sub"), "v1") == "v9"
