@@ -78,7 +78,11 @@ def _store(cfg: StackConfig, config: Path) -> CheckpointStore:
 
 
 @app.command()
-def up(config: Path = ConfigOpt, timeout: float = typer.Option(900, help="Seconds to wait.")) -> None:
+def up(
+    config: Path = ConfigOpt,
+    timeout: float = typer.Option(900, help="Seconds to wait."),
+    early: bool = typer.Option(True, help="Deploy each model once it is built, while the others still train."),
+) -> None:
     """Build missing models, start a local Ray head and the stack, print the base URL."""
     from serving.control.stack import up as stack_up
 
@@ -87,7 +91,7 @@ def up(config: Path = ConfigOpt, timeout: float = typer.Option(900, help="Second
     try:
         # one line per message, never wrapped: a status line of four applications passes 80 columns
         log = functools.partial(console.print, soft_wrap=True, markup=False, highlight=False)
-        state = stack_up(cfg, config.resolve().parent, LOCAL_ENV, timeout, log=log, seed=seed)
+        state = stack_up(cfg, config.resolve().parent, LOCAL_ENV, timeout, log=log, seed=seed, early=early)
     except (RuntimeError, TimeoutError, FileNotFoundError, ConfigError) as exc:
         console.print(f"serving up failed: {exc}", style="red", markup=False)
         console.print(f"Stop what started with: serving down -c {config}", markup=False)

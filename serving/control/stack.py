@@ -16,13 +16,15 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
-from serving.config import LocalRayConfig, StackConfig
+from serving.config import LocalRayConfig, ModelConfig, ModelVersion, StackConfig
 from serving.control.serve_config import build_serve_config
 from serving.replica.engine import check_layout
 from serving.replica.placement import pid_alive, proc_stat
@@ -32,7 +34,9 @@ __all__ = [
     "StackState",
     "deploy",
     "ensure_models",
+    "only_models",
     "serve_status",
+    "servable",
     "start_ray",
     "stop_stack",
     "up",
@@ -78,17 +82,25 @@ class StackState:
         return cls(**json.loads(path.read_text())) if path.exists() else None
 
 
-def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
+def _built(cfg: StackConfig, model: ModelConfig, version: ModelVersion, base: Path) -> bool:
+    """Whether a version's weights are there (a remote URI is checked where it is loaded)."""
+    path = cfg.version_path(model, version, base)
+    return "://" in path or (Path(path) / ("adapter_config.json" if model.base else "config.json")).exists()
+
+
+def ensure_models(cfg: StackConfig, base: Path, log: Any = print, on_built: Callable[[], None] | None = None) -> None:
     """Train every version that is missing locally and has a recipe; fail clearly otherwise;
     then check each model's parallel layout against its checkpoint and this machine. Versions
-    with a recipe come first: a ``path:`` version may be another name for one of them."""
-    versions = [(m, v) for m in cfg.models for v in m.versions]
-    for m, v in sorted(versions, key=lambda mv: mv[1].recipe is None):
+    with a recipe come first: a ``path:`` version may be another name for one of them.
+    ``on_built`` is called after each training job that leaves another one to run."""
+    versions = sorted(((m, v) for m in cfg.models for v in m.versions), key=lambda mv: mv[1].recipe is None)
+    jobs = sum(1 for m, v in versions if v.recipe is not None and not _built(cfg, m, v, base))
+    for m, v in versions:
         path = cfg.version_path(m, v, base)
         if "://" in path:
             continue
-        built = Path(path) / ("adapter_config.json" if m.base else "config.json")
-        if not built.exists():
+        built_now = not _built(cfg, m, v, base)
+        if built_now:
             if v.recipe is None:
                 raise FileNotFoundError(f"{m.name}@{v.version}: no checkpoint at {path} and no recipe")
             r = v.recipe
@@ -104,9 +116,35 @@ def ensure_models(cfg: StackConfig, base: Path, log: Any = print) -> None:
             cmd += ["--lora-alpha", str(r.lora_alpha)] if r.lora_alpha else []
             if subprocess.run(cmd, check=False).returncode != 0:
                 raise RuntimeError(f"{m.name}@{v.version}: the training job failed (its output is above)")
-        if m.base is None:  # an adapter runs in its base's layout
-            hf = json.loads((Path(path) / "config.json").read_text())
-            check_layout(m, hf, float(cfg.local_ray.num_cpus), None)
+            jobs -= 1
+        _check_layout(cfg, m, path)
+        if built_now and jobs and on_built is not None:
+            on_built()
+
+
+def _check_layout(cfg: StackConfig, model: ModelConfig, path: str) -> None:
+    """A model's parallel layout against its checkpoint and this machine (an adapter runs in its
+    base's layout)."""
+    if model.base is None:
+        hf = json.loads((Path(path) / "config.json").read_text())
+        check_layout(model, hf, float(cfg.local_ray.num_cpus), None)
+
+
+def servable(cfg: StackConfig, base: Path) -> set[str]:
+    """The models that can be served now: every version built, and an adapter's base among them."""
+    built = {m.name for m in cfg.models if all(_built(cfg, m, v, base) for v in m.versions)}
+    return {m.name for m in cfg.models if m.name in built and (m.base is None or m.base in built)}
+
+
+def only_models(cfg: StackConfig, names: set[str]) -> StackConfig | None:
+    """``cfg`` with only the models ``names``; None where that is no valid stack (none left, or
+    the gateway's default model, a tenant's model or an adapter's base is among the others)."""
+    data = cfg.model_dump()
+    data["models"] = [m for m in data["models"] if m["name"] in names]
+    try:
+        return StackConfig.model_validate(data)
+    except ValidationError:
+        return None
 
 
 def _port_free(port: int) -> bool:
@@ -308,15 +346,43 @@ def up(
     timeout_s: float,
     log: Any = print,
     seed: StackConfig | None = None,
+    early: bool = True,
 ) -> StackState:
     """Start the stack ``cfg`` (the live versions applied); ``seed`` is the config as written,
-    which the promotion controller application gets."""
-    ensure_models(cfg, base, log)
+    which the promotion controller application gets. With ``early``, while models still train,
+    each one that is built is deployed at once (the Ray head starts with the first), so it
+    answers before the last training job ends; the full config is deployed after."""
     base_url = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
     g, r = cfg.gateway, cfg.local_ray
     ports = (g.port, g.serve_proxy_port, r.gcs_port, r.dashboard_port, r.metrics_export_port)
-    state = start_ray(cfg.name, r, env, base_url, ports)
-    log(f"ray head up (pid {state.ray_pid}, dashboard {state.dashboard}, loopback only)")
+    head: list[StackState] = []
+    served: set[str] = set()
+
+    def ray_head() -> StackState:
+        if not head:
+            head.append(start_ray(cfg.name, r, env, base_url, ports))
+            log(f"ray head up (pid {head[0].ray_pid}, dashboard {head[0].dashboard}, loopback only)")
+        return head[0]
+
+    def serve_what_is_built() -> None:
+        names = servable(cfg, base)
+        part = only_models(cfg, names) if names - served else None
+        if part is None:
+            return
+        try:  # a path-only model is checked after the last job; a bad layout waits for that error
+            for m in part.models:
+                for v in m.versions:
+                    if "://" not in (path := part.version_path(m, v, base)):
+                        _check_layout(part, m, path)
+        except (ValueError, OSError):
+            return
+        part_seed = only_models(seed, names) if seed is not None else None
+        deploy(ray_head(), build_serve_config(part, base, read_manifests=True, seed=part_seed))
+        served.update(names)
+        log(f"deploying {', '.join(sorted(names))} at {base_url}/v1 while the other models train")
+
+    ensure_models(cfg, base, log, on_built=serve_what_is_built if early else None)
+    state = ray_head()
     serve_config = build_serve_config(cfg, base, read_manifests=True, seed=seed)
     deploy(state, serve_config)
     wait_running(state, [a["name"] for a in serve_config["applications"]], timeout_s, log)
