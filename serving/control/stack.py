@@ -117,15 +117,16 @@ def ensure_models(cfg: StackConfig, base: Path, log: Any = print, on_built: Call
             if subprocess.run(cmd, check=False).returncode != 0:
                 raise RuntimeError(f"{m.name}@{v.version}: the training job failed (its output is above)")
             jobs -= 1
-        _check_layout(cfg, m, path)
+        _check_layout(cfg, m, v, base)
         if built_now and jobs and on_built is not None:
             on_built()
 
 
-def _check_layout(cfg: StackConfig, model: ModelConfig, path: str) -> None:
-    """A model's parallel layout against its checkpoint and this machine (an adapter runs in its
-    base's layout)."""
-    if model.base is None:
+def _check_layout(cfg: StackConfig, model: ModelConfig, version: ModelVersion, base: Path) -> None:
+    """A local version's parallel layout against its checkpoint and this machine (an adapter runs
+    in its base's layout; a remote one is checked where it is loaded)."""
+    path = cfg.version_path(model, version, base)
+    if model.base is None and "://" not in path:
         hf = json.loads((Path(path) / "config.json").read_text())
         check_layout(model, hf, float(cfg.local_ray.num_cpus), None)
 
@@ -355,14 +356,15 @@ def up(
     base_url = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
     g, r = cfg.gateway, cfg.local_ray
     ports = (g.port, g.serve_proxy_port, r.gcs_port, r.dashboard_port, r.metrics_export_port)
-    head: list[StackState] = []
+    head: StackState | None = None
     served: set[str] = set()
 
     def ray_head() -> StackState:
-        if not head:
-            head.append(start_ray(cfg.name, r, env, base_url, ports))
-            log(f"ray head up (pid {head[0].ray_pid}, dashboard {head[0].dashboard}, loopback only)")
-        return head[0]
+        nonlocal head
+        if head is None:
+            head = start_ray(cfg.name, r, env, base_url, ports)
+            log(f"ray head up (pid {head.ray_pid}, dashboard {head.dashboard}, loopback only)")
+        return head
 
     def serve_what_is_built() -> None:
         names = servable(cfg, base)
@@ -372,8 +374,7 @@ def up(
         try:  # a path-only model is checked after the last job; a bad layout waits for that error
             for m in part.models:
                 for v in m.versions:
-                    if "://" not in (path := part.version_path(m, v, base)):
-                        _check_layout(part, m, path)
+                    _check_layout(part, m, v, base)
         except (ValueError, OSError):
             return
         part_seed = only_models(seed, names) if seed is not None else None

@@ -83,7 +83,7 @@ def _fake_stack(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return {"applications": [{"name": m.name} for m in cfg.models]}
 
     monkeypatch.setattr(stack_mod.subprocess, "run", train)
-    state = stack_mod.StackState("t", 1, 1, 1, str(Path("/nonexistent")), "http://127.0.0.1:1")
+    state = stack_mod.StackState("t", 1, 1, 1, "/nonexistent", "http://127.0.0.1:1")
     monkeypatch.setattr(stack_mod, "start_ray", lambda *a, **k: events.append("ray") or state)
     monkeypatch.setattr(stack_mod, "build_serve_config", serve_config)
     monkeypatch.setattr(
