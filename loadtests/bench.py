@@ -89,15 +89,18 @@ def prompt_pool(model_dir: str, tokens: int, n: int = 256, seed: int = 0) -> lis
     return pool
 
 
-def completion_bodies(model: str, prompts: list[str], output_tokens: int) -> Any:
+def completion_bodies(model: str | list[str], prompts: list[Any], output_tokens: int) -> Any:
     """A body factory walking through ``prompts`` in order (one fresh factory per server, so
-    every server gets the same sequence and, with a large enough pool, never a repeated prompt)."""
+    every server gets the same sequence and, with a large enough pool, never a repeated prompt).
+    ``model``: one name for every request, or a name per prompt (``model[i]`` with ``prompts[i]``)."""
     it = iter(range(1 << 62))
+    names = [model] * len(prompts) if isinstance(model, str) else model
 
     def make() -> dict[str, Any]:
+        i = next(it)
         return {
-            "model": model,
-            "prompt": prompts[next(it) % len(prompts)],
+            "model": names[i % len(prompts)],
+            "prompt": prompts[i % len(prompts)],
             "max_tokens": output_tokens,
             "temperature": 0,
             "ignore_eos": True,

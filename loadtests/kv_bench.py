@@ -12,6 +12,12 @@ Routers (``--routers``, comma-separated):
   replicas' command line and placement, each publishing its KV events on a loopback ZMQ socket
   that only the router subscribes to.
 
+With ``--kv-adapters N`` every request goes to one of N random LoRA adapters of the model
+(:func:`loadtests.models.build_adapter`, built under ``--out``, registered on both replicas): the
+pressure workload's prefixes are ``--kv-prefixes / N`` texts, each asked under every adapter, so
+the same text under two adapters is two cached prefixes (vLLM keys an adapter's blocks by its
+name). vllm-router is left out there: its index keys blocks by token ids alone.
+
 Every router serves the same request sequence per workload; the engines' KV caches are sized
 with ``num_gpu_blocks_override`` (``--cache-blocks``, by default :func:`size_cache`). Before and
 after each measured level each engine's ``/metrics`` is read for its prefix-cache counters, so
@@ -24,6 +30,7 @@ import argparse
 import asyncio
 import json
 import logging
+import random
 import secrets
 import shutil
 import subprocess
@@ -52,6 +59,7 @@ from loadtests.kv_routing import (
     prompts,
     size_cache,
 )
+from loadtests.models import build_adapter
 from loadtests.servers import (
     ROOT,
     BenchModel,
@@ -62,7 +70,7 @@ from loadtests.servers import (
     stop_session,
     wait_serving,
 )
-from serving.config import RouterName
+from serving.config import LoraSlots, RouterName
 
 __all__ = ["add_arguments", "check_arguments", "run"]
 
@@ -86,6 +94,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-blocks", type=int, default=0, help="KV blocks per engine (0: size_cache)")
     g.add_argument("--kv-warmup", type=int, default=0, help="unrecorded requests per level (0: 2 per prefix)")
     g.add_argument(
+        "--kv-adapters",
+        type=int,
+        default=0,
+        help="requests to this many random LoRA adapters of the model (0: the model itself)",
+    )
+    g.add_argument(
         "--prompt-form",
         choices=("auto", "text", "tokens"),
         default="auto",
@@ -104,6 +118,11 @@ def check_arguments(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     for r in a.routers:
         if not r.startswith(VLLM_ROUTER) and r not in known:
             ap.error(f"--routers: {r!r} is not a router of this checkout (serving.config.RouterName: {known})")
+    if a.kv_adapters:
+        if any(r.startswith(VLLM_ROUTER) for r in a.routers):
+            ap.error("--kv-adapters: vllm-router keys its index by token ids alone; leave it out of --routers")
+        if a.kv_adapters < 1 or a.kv_prefixes % a.kv_adapters:
+            ap.error("--kv-adapters must divide --kv-prefixes (each text is asked under every adapter)")
     if any(r.startswith(VLLM_ROUTER) for r in a.routers) and shutil.which(VLLM_ROUTER, path=_bin_dir()) is None:
         ap.error("--routers: vllm-router is not installed (pip install -e '.[bench]')")
 
@@ -253,8 +272,11 @@ class Serving:
 
 
 @contextmanager
-def router_running(router: str, model: BenchModel, log_dir: Path, timeout_s: float) -> Iterator[Serving]:
-    """The server of one router; always stopped, even when starting failed half-way."""
+def router_running(
+    router: str, model: BenchModel, log_dir: Path, timeout_s: float, adapters: dict[str, str] | None = None
+) -> Iterator[Serving]:
+    """The server of one router (``adapters``: LoRA adapters of ``model`` ours serves too, name:
+    folder); always stopped, even when starting failed half-way."""
     if router.startswith(VLLM_ROUTER):
         pair = RouterPair(model, log_dir / router.replace(":", "-"), router.partition(":")[2] or "kv_aware")
         try:
@@ -263,7 +285,7 @@ def router_running(router: str, model: BenchModel, log_dir: Path, timeout_s: flo
         finally:
             pair.stop()
         return
-    server = make_server("ours", model, log_dir / router, replicas=2, router=router)
+    server = make_server("ours", model, log_dir / router, replicas=2, router=router, adapters=adapters)
     with running(server, timeout_s):
         engines = our_engine_endpoints()
         if len(engines) != 2:
@@ -272,10 +294,16 @@ def router_running(router: str, model: BenchModel, log_dir: Path, timeout_s: flo
 
 
 def measure_router(
-    a: argparse.Namespace, server: Serving, model: BenchModel, sequences: dict[str, list[str]], log: Any
+    a: argparse.Namespace,
+    server: Serving,
+    model: BenchModel,
+    sequences: dict[str, list[str]],
+    log: Any,
+    names: list[str] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """Every workload at every concurrency: unrecorded warm-up requests (they fill the caches),
-    then the measured ones between two scrapes of the engines' counters."""
+    then the measured ones between two scrapes of the engines' counters. ``names``: the model
+    each request asks for (by position in the sequence), else ``model.name`` for all."""
     endpoints = server.engines
     out: dict[str, list[dict[str, Any]]] = {}
     for w in a.workloads:
@@ -285,7 +313,7 @@ def measure_router(
             # text prompt as no tokens ("missing_tokens") and picks by load alone. The same prompt
             # as token ids (what the engine makes of the text: <bos> + one per character) it scores.
             seq = token_prompts(model.path, seq)
-        make = completion_bodies(model.name, seq, a.output_tokens)  # the same sequence per router
+        make = completion_bodies(names or model.name, seq, a.output_tokens)  # the same sequence per router
         rows = []
         for c in a.concurrency:
             asyncio.run(run_level(server.base_url, server.api_key, "/v1/completions", make, c, a.kv_warmup))
@@ -330,25 +358,47 @@ def kv_model(a: argparse.Namespace, model: BenchModel) -> tuple[BenchModel, Cach
     return replace(model, engine=engine), sizing
 
 
+def adapters_for(a: argparse.Namespace, model: BenchModel) -> dict[str, str]:
+    """``--kv-adapters`` random LoRA adapters of ``model`` under ``--out``/adapters (name: folder)."""
+    out = {}
+    for k in range(a.kv_adapters):
+        name = f"{model.name}-lora-{k}"
+        path = build_adapter(model.path, a.out / "adapters" / name / "v1", f"{model.name}@v1", seed=k)
+        out[name] = str(path.resolve())
+    return out
+
+
+def request_names(adapters: list[str], n: int, seed: int = 1) -> list[str]:
+    """The adapter each of ``n`` requests asks for, at random, the same for the same arguments."""
+    rng = random.Random(seed)
+    return [rng.choice(adapters) for _ in range(n)]
+
+
 def run(a: argparse.Namespace, model: BenchModel, log: Any = print) -> dict[str, Any]:
     """Every router in turn, ``a.rounds`` times in alternating order; the document bench.json gets."""
     model, sizing = kv_model(a, model)
+    adapters = adapters_for(a, model) if a.kv_adapters else {}
+    if adapters:
+        model = replace(model, lora=LoraSlots(max_loras=len(adapters), max_cpu_loras=len(adapters), max_lora_rank=8))
+        log(f"adapters: {', '.join(adapters)} (each of the {a.kv_prefixes // len(adapters)} texts under each)")
     log(
         f"cache: {sizing.blocks_per_engine} blocks of {BLOCK_TOKENS} tokens per engine; {sizing.prefixes} prefixes "
         f"x {sizing.prefix_blocks} blocks = {sizing.prefix_demand} blocks; max_model_len {model.engine.max_model_len}"
     )
     n = len(a.concurrency) * (a.kv_warmup + a.requests) + 8  # + wait_serving's and slack
-    sequences = {w: prompts(w, n, a.kv_prefixes, a.prefix_blocks, a.user_chars) for w in a.workloads}
+    texts = a.kv_prefixes // max(1, len(adapters))  # each text under every adapter
+    sequences = {w: prompts(w, n, texts, a.prefix_blocks, a.user_chars) for w in a.workloads}
+    names = request_names(sorted(adapters), n) if adapters else None
     rounds: list[dict[str, Any]] = []
     for i, order in enumerate(round_orders(a.routers, a.rounds), 1):
         results: dict[str, Any] = {}
         for router in order:
             log(f"starting {router} (round {i} of {a.rounds}, load {load_avg():.1f})...")
             t0 = time.monotonic()
-            with router_running(router, model, a.out / "logs", a.start_timeout) as server:
+            with router_running(router, model, a.out / "logs", a.start_timeout, adapters) as server:
                 log(f"  {router} serving after {time.monotonic() - t0:.0f}s")
                 time.sleep(a.settle_s)
-                results[router] = measure_router(a, server, model, sequences, log)
+                results[router] = measure_router(a, server, model, sequences, log, names)
         rounds.append({"order": order, "results": {r: results[r] for r in a.routers}})
     medians = {
         r: {
@@ -357,7 +407,8 @@ def run(a: argparse.Namespace, model: BenchModel, log: Any = print) -> dict[str,
         }
         for r in a.routers
     }
-    return {"sizing": vars(sizing) | {"prefix_demand": sizing.prefix_demand}, "rounds": rounds, "results": medians}
+    sized = vars(sizing) | {"prefix_demand": sizing.prefix_demand}
+    return {"sizing": sized, "adapters": sorted(adapters), "rounds": rounds, "results": medians}
 
 
 def report(doc: dict[str, Any], out: Path) -> str:

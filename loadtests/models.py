@@ -8,6 +8,9 @@ have a real model's shape.
 
     python -m loadtests.models tiny --out /tmp/raystack-models/tiny-1k   # 2 layers x 128, 1024 positions
     python -m loadtests.models 1b --out /tmp/raystack-models/llama-1b     # ~0.95B parameters (GPU bench)
+
+:func:`build_adapter` writes a random LoRA adapter of such a model (peft, every weight random, so
+it changes the outputs) with the manifest of an adapter version trained on it.
 """
 
 from __future__ import annotations
@@ -16,9 +19,14 @@ import argparse
 import json
 import string
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["PRESETS", "Preset", "build_model", "build_tokenizer"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+__all__ = ["PRESETS", "Preset", "build_adapter", "build_model", "build_tokenizer"]
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARS = string.ascii_letters + string.digits + string.punctuation + " "
@@ -47,7 +55,7 @@ PRESETS = {
 }
 
 
-def build_tokenizer(vocab_size: int, max_length: int):  # -> PreTrainedTokenizerFast
+def build_tokenizer(vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
     """Character-level WordLevel tokenizer padded with ``<f{i}>`` filler tokens to ``vocab_size``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -122,12 +130,49 @@ def build_model(out: str | Path, preset: str = "tiny", max_positions: int | None
     return out
 
 
+ADAPTER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def build_adapter(base_dir: str | Path, out: str | Path, base_ref: str, seed: int = 0, rank: int = 8) -> Path:
+    """A random rank-``rank`` LoRA adapter of the model in ``base_dir`` at ``out``, with a
+    manifest naming ``base_ref`` (``model@version``: how the stack serving the base names it) and
+    the base's manifest hash, as a LoRA training job publishes one; kept when already there."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from serving.registry import MANIFEST, Adapter, BaseRef, Manifest, architecture_of, hash_tree, sha256_file
+
+    out = Path(out)
+    if (out / MANIFEST).exists():
+        return out
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(ADAPTER_MODULES), init_lora_weights=False)
+    get_peft_model(base, lora).save_pretrained(str(out))
+    files = hash_tree(out)
+    manifest = Manifest(
+        model=out.resolve().parent.name,
+        version=out.name,
+        architecture=architecture_of(base_dir),
+        base=BaseRef(source="store", ref=base_ref, manifest_sha256=sha256_file(Path(base_dir) / MANIFEST)),
+        adapter=Adapter(rank=rank, alpha=2 * rank, target_modules=list(ADAPTER_MODULES)),
+        files=files,
+        sizes={rel: (out / rel).stat().st_size for rel in files},
+        created_at=_now(),
+    )
+    (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+    return out
+
+
+def _now() -> datetime:
+    return datetime.now(UTC).replace(microsecond=0)
+
+
 def write_manifest(out: Path, base: str) -> None:
     """A store version's ``manifest.json`` for the folder, named after its place
     ``<parent>/<name>`` (model, version): the stack's replicas load only directories whose files
     match a manifest (serving.node_cache), a benchmark model's too."""
-    from datetime import UTC, datetime
-
     from serving.registry import MANIFEST, BaseRef, Manifest, architecture_of, hash_tree
 
     files = hash_tree(out)
@@ -138,7 +183,7 @@ def write_manifest(out: Path, base: str) -> None:
         base=BaseRef(source="init", ref=base),
         files=files,
         sizes={rel: (out / rel).stat().st_size for rel in files},
-        created_at=datetime.now(UTC).replace(microsecond=0),
+        created_at=_now(),
     )
     (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
 

@@ -302,9 +302,29 @@ def our_stack_config(
     dashboard_port: int = 8278,
     metrics_export_port: int = 8088,
     gateway: dict[str, Any] | None = None,
+    adapters: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A stack config serving only ``model`` (auth open), on ports apart from the default stacks;
-    ``gateway``: further ``gateway:`` fields (e.g. ``{"max_migrations": 0}``)."""
+    ``gateway``: further ``gateway:`` fields (e.g. ``{"max_migrations": 0}``); ``adapters``: LoRA
+    adapters of ``model`` (name: version folder, served as ``v1``), with ``model.lora``'s slots."""
+    base: dict[str, Any] = {
+        "name": model.name,
+        "versions": [{"version": "v1", "path": model.path}],
+        "engine": model.engine.model_dump(mode="json"),
+        "deployment": {
+            "num_replicas": replicas,
+            "max_ongoing_requests": 256,
+            "max_queued_requests": 1024,
+            "router": router,
+            "gpus_per_rank": 1.0 if model.use_gpu else 0.0,
+        },
+    }
+    if model.lora is not None:
+        base["lora"] = model.lora.model_dump(mode="json")
+    served = [base] + [
+        {"name": name, "base": model.name, "versions": [{"version": "v1", "path": path}]}
+        for name, path in (adapters or {}).items()
+    ]
     return {
         "name": name,
         "gateway": {
@@ -322,20 +342,7 @@ def our_stack_config(
             "num_cpus": 8,
         },
         "auth": {"mode": "open"},
-        "models": [
-            {
-                "name": model.name,
-                "versions": [{"version": "v1", "path": model.path}],
-                "engine": model.engine.model_dump(mode="json"),
-                "deployment": {
-                    "num_replicas": replicas,
-                    "max_ongoing_requests": 256,
-                    "max_queued_requests": 1024,
-                    "router": router,
-                    "gpus_per_rank": 1.0 if model.use_gpu else 0.0,
-                },
-            }
-        ],
+        "models": served,
     }
 
 

@@ -4,12 +4,14 @@ engine is started."""
 
 from __future__ import annotations
 
+import argparse
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
-from loadtests.kv_bench import EVENT_PORTS, engine_kv_events, router_command
+from loadtests.kv_bench import EVENT_PORTS, adapters_for, engine_kv_events, request_names, router_command
 from loadtests.kv_routing import (
     BLOCK_TOKENS,
     HITS,
@@ -23,6 +25,11 @@ from loadtests.kv_routing import (
     prompts,
     size_cache,
 )
+from loadtests.models import build_model
+from loadtests.servers import BenchModel, our_stack_config
+from serving.config import EngineConfig, LoraSlots, parse_config
+from serving.control.serve_config import adapter_bases
+from serving.registry import MANIFEST, manifest_at, sha256_file
 
 
 def test_pressure_prompts_share_block_aligned_prefixes_and_unique_user_turns() -> None:
@@ -149,3 +156,25 @@ def test_engine_kv_events_bind_on_loopback_where_the_router_connects() -> None:
         assert sub.recv_multipart()[2] == b"x"
     finally:
         ctx.destroy(linger=0)
+
+
+def test_adapter_runs_serve_random_adapters_on_the_bench_model(tmp_path: Path) -> None:
+    """``--kv-adapters``: real peft adapters of a real (tiny) model, whose manifests the stack's
+    config build accepts as adapters of the benchmark's base, each text under every adapter."""
+    model_dir = build_model(tmp_path / "models" / "tiny", "tiny")
+    engine = EngineConfig(max_model_len=512, dtype="float32")
+    a = argparse.Namespace(kv_adapters=2, out=tmp_path / "run")
+    model = BenchModel(str(model_dir), engine, lora=LoraSlots(max_loras=2, max_cpu_loras=2, max_lora_rank=8))
+    adapters = adapters_for(a, model)
+    assert sorted(adapters) == ["bench-lora-0", "bench-lora-1"]
+    manifest = manifest_at(adapters["bench-lora-0"])
+    assert manifest is not None and manifest.adapter is not None and manifest.adapter.rank == 8
+    assert manifest.base is not None
+    assert manifest.base.ref == "bench@v1" and manifest.base.manifest_sha256 == sha256_file(model_dir / MANIFEST)
+    cfg = parse_config(our_stack_config(model, 8021, replicas=2, router="kv_aware", adapters=adapters))
+    assert cfg.models[0].lora == model.lora and [m.base for m in cfg.models[1:]] == ["bench", "bench"]
+    assert adapter_bases(cfg, read_manifests=True) == {("bench-lora-0", "v1"): "v1", ("bench-lora-1", "v1"): "v1"}
+    names = request_names(sorted(adapters), 400)
+    assert names == request_names(sorted(adapters), 400) and set(names) == set(adapters)
+    # the same adapter, built again, is the same folder (a second run reuses it)
+    assert adapters_for(a, model) == adapters
