@@ -59,7 +59,7 @@ from loadtests.kv_routing import (
     prompts,
     size_cache,
 )
-from loadtests.models import build_adapter
+from loadtests.models import ADAPTER_RANK, build_adapter
 from loadtests.servers import (
     ROOT,
     BenchModel,
@@ -363,8 +363,7 @@ def adapters_for(a: argparse.Namespace, model: BenchModel) -> dict[str, str]:
     out = {}
     for k in range(a.kv_adapters):
         name = f"{model.name}-lora-{k}"
-        path = build_adapter(model.path, a.out / "adapters" / name / "v1", f"{model.name}@v1", seed=k)
-        out[name] = str(path.resolve())
+        out[name] = str(build_adapter(model.path, a.out / "adapters", name, f"{model.name}@v1", seed=k).resolve())
     return out
 
 
@@ -379,7 +378,8 @@ def run(a: argparse.Namespace, model: BenchModel, log: Any = print) -> dict[str,
     model, sizing = kv_model(a, model)
     adapters = adapters_for(a, model) if a.kv_adapters else {}
     if adapters:
-        model = replace(model, lora=LoraSlots(max_loras=len(adapters), max_cpu_loras=len(adapters), max_lora_rank=8))
+        slots = LoraSlots(max_loras=len(adapters), max_cpu_loras=len(adapters), max_lora_rank=ADAPTER_RANK)
+        model = replace(model, lora=slots)
         log(f"adapters: {', '.join(adapters)} (each of the {a.kv_prefixes // len(adapters)} texts under each)")
     log(
         f"cache: {sizing.blocks_per_engine} blocks of {BLOCK_TOKENS} tokens per engine; {sizing.prefixes} prefixes "

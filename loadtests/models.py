@@ -19,9 +19,8 @@ import argparse
 import json
 import string
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -131,48 +130,49 @@ def build_model(out: str | Path, preset: str = "tiny", max_positions: int | None
 
 
 ADAPTER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+ADAPTER_RANK: Final = 8
 
 
-def build_adapter(base_dir: str | Path, out: str | Path, base_ref: str, seed: int = 0, rank: int = 8) -> Path:
-    """A random rank-``rank`` LoRA adapter of the model in ``base_dir`` at ``out``, with a
-    manifest naming ``base_ref`` (``model@version``: how the stack serving the base names it) and
-    the base's manifest hash, as a LoRA training job publishes one; kept when already there."""
+def build_adapter(
+    base_dir: str | Path, store_root: str | Path, name: str, base_ref: str, seed: int = 0, rank: int = ADAPTER_RANK
+) -> Path:
+    """A random rank-``rank`` LoRA adapter of the model in ``base_dir``, published to the store at
+    ``store_root`` as ``name@v1`` (its manifest names ``base_ref``, ``model@version``: how the stack
+    serving the base names it, and the base's manifest hash, as a LoRA training job publishes
+    one); kept when already there. Returns the version's folder."""
+    import tempfile
+
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from serving.registry import MANIFEST, Adapter, BaseRef, Manifest, architecture_of, hash_tree, sha256_file
+    from serving.registry import MANIFEST, Adapter, BaseRef, CheckpointStore, architecture_of, sha256_file
 
-    out = Path(out)
-    if (out / MANIFEST).exists():
-        return out
+    store = CheckpointStore(str(store_root))
+    if store.exists(name, "v1"):
+        return Path(store.version_path(name, "v1"))
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(ADAPTER_MODULES), init_lora_weights=False)
-    get_peft_model(base, lora).save_pretrained(str(out))
-    files = hash_tree(out)
-    manifest = Manifest(
-        model=out.resolve().parent.name,
-        version=out.name,
-        architecture=architecture_of(base_dir),
-        base=BaseRef(source="store", ref=base_ref, manifest_sha256=sha256_file(Path(base_dir) / MANIFEST)),
-        adapter=Adapter(rank=rank, alpha=2 * rank, target_modules=list(ADAPTER_MODULES)),
-        files=files,
-        sizes={rel: (out / rel).stat().st_size for rel in files},
-        created_at=_now(),
-    )
-    (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
-    return out
-
-
-def _now() -> datetime:
-    return datetime.now(UTC).replace(microsecond=0)
+    fields = {
+        "model": name,
+        "version": "v1",
+        "architecture": architecture_of(base_dir),
+        "base": BaseRef(source="store", ref=base_ref, manifest_sha256=sha256_file(Path(base_dir) / MANIFEST)),
+        "adapter": Adapter(rank=rank, alpha=2 * rank, target_modules=list(ADAPTER_MODULES)),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        get_peft_model(base, lora).save_pretrained(tmp)
+        store.publish(tmp, fields)
+    return Path(store.version_path(name, "v1"))
 
 
 def write_manifest(out: Path, base: str) -> None:
     """A store version's ``manifest.json`` for the folder, named after its place
     ``<parent>/<name>`` (model, version): the stack's replicas load only directories whose files
     match a manifest (serving.node_cache), a benchmark model's too."""
+    from datetime import UTC, datetime
+
     from serving.registry import MANIFEST, BaseRef, Manifest, architecture_of, hash_tree
 
     files = hash_tree(out)
@@ -183,7 +183,7 @@ def write_manifest(out: Path, base: str) -> None:
         base=BaseRef(source="init", ref=base),
         files=files,
         sizes={rel: (out / rel).stat().st_size for rel in files},
-        created_at=_now(),
+        created_at=datetime.now(UTC).replace(microsecond=0),
     )
     (out / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
 
