@@ -37,6 +37,7 @@ from serving import contract
 from serving.contract import RUNNING_REQUESTS_KEY, Endpoint, LeaseHint
 from serving.replica.adapters import AdapterSet, Registered
 from serving.replica.engine import EngineSpec, engine_environ, single_process, verified_spec, vllm_command
+from serving.replica.engine_main import guarded
 from serving.replica.kv_events import KVEventRelay
 from serving.replica.liveness import PROGRESS_COUNTERS, StallWatch
 from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid
@@ -60,16 +61,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """In the engine child: get SIGTERM if the replica process dies (even by SIGKILL)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def warm_up(url: str, token: str, model: str, timeout_s: float, client: httpx.Client | None = None) -> None:
@@ -191,10 +182,17 @@ class ModelServer:
         # router kv_aware: the engine publishes KV events on a private ipc socket, relayed as block keys
         self.relay = KVEventRelay(self.token, self.spec.path) if self.spec.kv_events else None
         kv_config = self.relay.config if self.relay else None
-        cmd = [sys.executable, *vllm_command(self.spec, self.host, self.port, kv_config)]
+        # The engine's group is killed at once if this process dies (serving.replica.engine_main):
+        # it holds the pipe's write end for as long as it lives.
+        watch_fd, lifeline = os.pipe()
+        self._lifeline: int | None = lifeline
+        cmd = [sys.executable, *guarded(watch_fd, vllm_command(self.spec, self.host, self.port, kv_config))]
         logger.info("starting vLLM for %s@%s on port %d", self.spec.model, self.spec.version, self.port)
         # New session: the engine's processes die with it when we stop it (killpg).
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=(watch_fd,))
+        finally:
+            os.close(watch_fd)
         # every engine route but /health needs the token (serving.replica.engine_guard), /metrics too
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers={"authorization": f"Bearer {self.token}"})
         self._wait_ready()
@@ -443,6 +441,10 @@ class ModelServer:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        lifeline = getattr(self, "_lifeline", None)
+        if lifeline is not None:  # whatever of the engine is left is killed now
+            self._lifeline = None
+            os.close(lifeline)
 
     async def __del__(self) -> None:
         """Serve stops this replica (scale-down, promotion, shutdown): withdraw the endpoint, give

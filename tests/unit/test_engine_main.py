@@ -1,0 +1,95 @@
+"""The engine launcher kills the engine's whole process group when the replica that started it
+dies by SIGKILL, and leaves it running while the replica lives."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from serving.replica.engine_main import guarded
+from tests.conftest import ROOT
+
+# The "server": forks a child (as vLLM forks EngineCore), both write their pid and sleep.
+SERVER = """
+import os, sys, time
+out = sys.argv[1]
+if os.fork() == 0:
+    open(out + ".child", "w").write(str(os.getpid()))
+else:
+    open(out + ".server", "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+
+# The "replica": starts the server under the launcher in a session of its own, as ModelServer does.
+REPLICA = """
+import os, subprocess, sys, time
+from serving.replica.engine_main import guarded
+read_fd, lifeline = os.pipe()
+cmd = [sys.executable, *guarded(read_fd, ["-m", "fake_engine", sys.argv[1]])]
+subprocess.Popen(cmd, start_new_session=True, pass_fds=(read_fd,))
+os.close(read_fd)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead too (nobody reaped it yet)
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_for(path: Path, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, f"{path} never written"
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def test_guarded_runs_the_module_under_the_launcher() -> None:
+    assert guarded(7, ["-m", "vllm.x", "--model", "m"]) == [
+        "-m",
+        "serving.replica.engine_main",
+        "7",
+        "vllm.x",
+        "--model",
+        "m",
+    ]
+    with pytest.raises(ValueError):
+        guarded(7, ["-c", "print()"])
+
+
+def test_engine_group_dies_with_its_replica(tmp_path: Path) -> None:
+    (tmp_path / "fake_engine.py").write_text(SERVER)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    out = tmp_path / "pid"
+    replica = subprocess.Popen([sys.executable, "-c", REPLICA, str(out)], env=env)
+    try:
+        server, child = _wait_for(Path(f"{out}.server")), _wait_for(Path(f"{out}.child"))
+        time.sleep(0.5)
+        assert _alive(server) and _alive(child), "the engine must run while its replica lives"
+        replica.send_signal(signal.SIGKILL)
+        replica.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _alive(server) or _alive(child):
+            assert time.monotonic() < deadline, "the engine outlived its replica"
+            time.sleep(0.05)
+    finally:
+        replica.kill()
+        for name in ("server", "child"):
+            p = Path(f"{out}.{name}")
+            if p.exists() and p.read_text():
+                try:
+                    os.kill(int(p.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
