@@ -40,18 +40,19 @@ def guarded(read_fd: int, server: list[str]) -> list[str]:
 
 
 def kill_group_when_closed(read_fd: int) -> threading.Thread:
-    """Start the thread that SIGKILLs this process group once ``read_fd`` reads end-of-file."""
+    """Start the thread that SIGKILLs this process group once ``read_fd`` reads end-of-file. Only
+    a group this process leads (a session of its own): never the group of a shell that ran it."""
 
     def watch() -> None:
-        while True:
-            try:
-                if not os.read(read_fd, 1):
-                    break
-            except InterruptedError:
-                continue
-            except OSError:
-                break
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+        try:
+            while os.read(read_fd, 1):
+                pass
+        except OSError:
+            pass
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     thread = threading.Thread(target=watch, name="replica-death-watch", daemon=True)
     thread.start()

@@ -93,3 +93,44 @@ def test_engine_group_dies_with_its_replica(tmp_path: Path) -> None:
                     os.kill(int(p.read_text()), signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+# A "shell" that runs the launcher in its own process group (no session of the launcher's own),
+# then closes the pipe: the launcher must die alone, the shell must live on.
+SHELL = """
+import os, subprocess, sys, time
+from serving.replica.engine_main import guarded
+read_fd, lifeline = os.pipe()
+cmd = [sys.executable, *guarded(read_fd, ["-m", "fake_engine", sys.argv[1]])]
+launcher = subprocess.Popen(cmd, pass_fds=(read_fd,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+os.close(read_fd)
+while not os.path.exists(sys.argv[1] + ".server"):
+    time.sleep(0.05)
+os.close(lifeline)
+print("launcher exit", launcher.wait(timeout=10), flush=True)
+"""
+
+
+def test_a_launcher_in_a_shared_group_kills_only_itself(tmp_path: Path) -> None:
+    (tmp_path / "fake_engine.py").write_text(SERVER)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    out = tmp_path / "pid"
+    # a session of its own, so that a launcher that wrongly kills its group cannot reach pytest
+    shell = subprocess.run(
+        [sys.executable, "-c", SHELL, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+    )
+    try:
+        assert shell.returncode == 0, shell.stderr
+        assert shell.stdout.strip() == f"launcher exit {-signal.SIGKILL}"
+    finally:
+        child = Path(f"{out}.child")
+        if child.exists() and child.read_text():
+            try:
+                os.kill(int(child.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
