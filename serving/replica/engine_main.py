@@ -6,10 +6,10 @@ Why not ``PR_SET_PDEATHSIG`` with SIGTERM: that starts vLLM's graceful shutdown,
 is a crash, not a stop. vLLM stops its engine first and its HTTP server after, and a request that
 arrives in between gets a 500 (``cannot schedule new futures after shutdown``) while ``/health``
 still answers 200, so the gateway takes the 500 for the engine's own answer to that request and
-passes it on (docs/operations.md, "When a model replica dies"). Killed at once, the engine fails the way a crash does:
-connections reset or are refused, which the gateway retries on another replica (no byte sent yet)
-or continues there (stream migration). A replica that stops normally still stops vLLM with SIGTERM,
-after draining (``ModelServer._stop``).
+passes it on (docs/operations.md, "When a model replica dies"). Killed at once, the engine fails
+the way a crash does: connections reset or are refused, which the gateway retries on another
+replica (no byte sent yet) or continues there (stream migration). A replica that stops normally
+still stops vLLM with SIGTERM, after draining (``ModelServer._stop``).
 
 How: the replica keeps the write end of a pipe and passes the read end as ``FD``. The kernel
 closes the write end when the replica exits, by SIGKILL too; a thread here blocks reading ``FD``
