@@ -8,11 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from serving.replica.engine_main import guarded
+from serving.replica.placement import proc_stat
+from serving.waiting import poll, wait_until
 from tests.conftest import ROOT
 
 # The "server": forks a child (as vLLM forks EngineCore), both write their pid and sleep.
@@ -39,21 +42,29 @@ time.sleep(600)
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead too (nobody reaped it yet)
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    """Whether the process runs; a zombie (nobody reaped it yet) is dead too."""
+    stat = proc_stat(Path(f"/proc/{pid}"))
+    return stat is not None and stat[1][0] != "Z"
 
 
-def _wait_for(path: Path, timeout: float = 30) -> int:
-    deadline = time.monotonic() + timeout
-    while not (path.exists() and path.read_text()):
-        assert time.monotonic() < deadline, f"{path} never written"
-        time.sleep(0.05)
-    return int(path.read_text())
+def _pid(path: Path) -> int:
+    return int(wait_until(lambda: path.exists() and path.read_text(), 30, 0.05, f"{path} not written"))
+
+
+@pytest.fixture
+def fake_engine(tmp_path: Path) -> Iterator[tuple[dict[str, str], Path]]:
+    """The environment that finds ``fake_engine`` and the prefix of its pid files; whatever of
+    it is left is killed afterwards."""
+    (tmp_path / "fake_engine.py").write_text(SERVER)
+    out = tmp_path / "pid"
+    yield {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}, out
+    for name in ("server", "child"):
+        p = Path(f"{out}.{name}")
+        if p.exists() and p.read_text():
+            try:
+                os.kill(int(p.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_guarded_runs_the_module_under_the_launcher() -> None:
@@ -69,30 +80,18 @@ def test_guarded_runs_the_module_under_the_launcher() -> None:
         guarded(7, ["-c", "print()"])
 
 
-def test_engine_group_dies_with_its_replica(tmp_path: Path) -> None:
-    (tmp_path / "fake_engine.py").write_text(SERVER)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-    out = tmp_path / "pid"
+def test_engine_group_dies_with_its_replica(fake_engine: tuple[dict[str, str], Path]) -> None:
+    env, out = fake_engine
     replica = subprocess.Popen([sys.executable, "-c", REPLICA, str(out)], env=env)
     try:
-        server, child = _wait_for(Path(f"{out}.server")), _wait_for(Path(f"{out}.child"))
+        server, child = _pid(Path(f"{out}.server")), _pid(Path(f"{out}.child"))
         time.sleep(0.5)
         assert _alive(server) and _alive(child), "the engine must run while its replica lives"
         replica.send_signal(signal.SIGKILL)
         replica.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while _alive(server) or _alive(child):
-            assert time.monotonic() < deadline, "the engine outlived its replica"
-            time.sleep(0.05)
+        assert poll(lambda: not _alive(server) and not _alive(child), 10, 0.05), "the engine outlived its replica"
     finally:
         replica.kill()
-        for name in ("server", "child"):
-            p = Path(f"{out}.{name}")
-            if p.exists() and p.read_text():
-                try:
-                    os.kill(int(p.read_text()), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
 
 # A "shell" that runs the launcher in its own process group (no session of the launcher's own),
@@ -111,10 +110,8 @@ print("launcher exit", launcher.wait(timeout=10), flush=True)
 """
 
 
-def test_a_launcher_in_a_shared_group_kills_only_itself(tmp_path: Path) -> None:
-    (tmp_path / "fake_engine.py").write_text(SERVER)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-    out = tmp_path / "pid"
+def test_a_launcher_in_a_shared_group_kills_only_itself(fake_engine: tuple[dict[str, str], Path]) -> None:
+    env, out = fake_engine
     # a session of its own, so that a launcher that wrongly kills its group cannot reach pytest
     shell = subprocess.run(
         [sys.executable, "-c", SHELL, str(out)],
@@ -124,13 +121,5 @@ def test_a_launcher_in_a_shared_group_kills_only_itself(tmp_path: Path) -> None:
         timeout=60,
         start_new_session=True,
     )
-    try:
-        assert shell.returncode == 0, shell.stderr
-        assert shell.stdout.strip() == f"launcher exit {-signal.SIGKILL}"
-    finally:
-        child = Path(f"{out}.child")
-        if child.exists() and child.read_text():
-            try:
-                os.kill(int(child.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    assert shell.returncode == 0, shell.stderr
+    assert shell.stdout.strip() == f"launcher exit {-signal.SIGKILL}"
