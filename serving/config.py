@@ -29,6 +29,7 @@ __all__ = [
     "LoraSlots",
     "GatewayConfig",
     "KubernetesConfig",
+    "LOCAL_RAY_LOOPBACK",
     "LocalRayConfig",
     "ShutdownConfig",
     "ModelConfig",
@@ -580,6 +581,14 @@ class LocalRayConfig(_Strict):
         description="Serve controller's reconcile period (Ray's default; 0.5 cuts Ray's idle CPU ~20% but "
         "config changes reach the gateway later, docs/performance.md).",
     )
+
+
+# The environment of every local, one-node Ray (the stack's head, the training job's own): Ray
+# replaces a loopback node address with the machine's network address, so that other nodes can
+# join, unless multi-node clusters are switched off. With them on, its metrics ports listened on
+# every interface without authentication, and its daemons and the model engines (which listen on
+# Ray's node address) on the network's. Off, all of them listen on 127.0.0.1.
+LOCAL_RAY_LOOPBACK: dict[str, str] = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 class ShutdownConfig(_Strict):

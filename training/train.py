@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from serving.config import LOCAL_RAY_LOOPBACK
 from serving.registry import CheckpointStore, RegistryError, architecture_of, check_name
 from training.bases import BaseError, ResolvedBase, is_store_ref, resolve_base
 from training.encode import EncodeError
@@ -172,9 +173,11 @@ def _set_environ(values: dict[str, str | None]) -> Callable[[], None]:
 def _private_ray_auth() -> Callable[[], None]:
     """Token authentication for the job's own Ray instance: a random token held only in this
     process's environment (which Ray's processes inherit and no other user can read), never in a
-    file, so a killed job leaves no token behind. Returns what puts the environment back."""
+    file, so a killed job leaves no token behind; and loopback only (``LOCAL_RAY_LOOPBACK``: its
+    GCS, its workers and the DDP ranks' rendezvous on 127.0.0.1). Returns what puts the
+    environment back."""
     token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_AUTH_TOKEN_PATH": None}
-    return _set_environ(token)
+    return _set_environ({**token, **LOCAL_RAY_LOOPBACK})
 
 
 def _private_trainer(base: Any) -> Any:

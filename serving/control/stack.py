@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from serving.config import LocalRayConfig, ModelConfig, ModelVersion, StackConfig
+from serving.config import LOCAL_RAY_LOOPBACK, LocalRayConfig, ModelConfig, ModelVersion, StackConfig
 from serving.control.serve_config import build_serve_config
 from serving.replica.engine import check_layout
 from serving.replica.placement import pid_alive, proc_stat
@@ -209,7 +209,11 @@ def start_ray(
     loop = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": f"{ray.serve_control_loop_s:g}"}
     log = open(RUN_DIR / f"{name}-ray.log", "ab")
     proc = subprocess.Popen(
-        cmd, env={**nice, **os.environ, **env, **loop, **auth_env}, stdout=log, stderr=log, start_new_session=True
+        cmd,
+        env={**nice, **os.environ, **env, **loop, **auth_env, **LOCAL_RAY_LOOPBACK},
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
     )
     state = StackState(name, proc.pid, ray.gcs_port, ray.dashboard_port, temp_dir, base_url)
     state.save()
