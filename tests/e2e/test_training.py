@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from serving.registry import CheckpointStore
+from tests.support.sockets import is_loopback, listening, process_tree
 from training.train import TrainingError, train
 
 pytestmark = pytest.mark.e2e
@@ -65,7 +66,9 @@ def _vllm_eval(root: Path, model: str, version: str, eval_file: str) -> dict[str
     return json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))
 
 
-def _kill_after_checkpoint(args: list[str]) -> list[str]:
+def _kill_after_checkpoint(args: list[str]) -> tuple[list[str], list[tuple[str, str, int]]]:
+    """The CLI run's output until its step-20 checkpoint, and the ports its processes listened on
+    then; the run is SIGKILLed there."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "training.train", *args],
         cwd=ROOT,
@@ -75,17 +78,19 @@ def _kill_after_checkpoint(args: list[str]) -> list[str]:
         start_new_session=True,
     )
     seen: list[str] = []
+    sockets: list[tuple[str, str, int]] = []
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             seen.append(line)
             m = re.search(rf"\] step (\d+)/{STEPS} ", line)
             if m and int(m[1]) >= 24:  # the step-10 and step-20 checkpoints are reported by now
+                sockets = listening(process_tree(proc.pid))
                 break
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver, its Ray head and raylet
         proc.wait(timeout=60)
-    return seen
+    return seen, sockets
 
 
 def test_fine_tune_user_jsonl_resumes_after_kill_and_vllm_serves_it(tmp_path: Path, base_dir: str) -> None:
@@ -94,8 +99,13 @@ def test_fine_tune_user_jsonl_resumes_after_kill_and_vllm_serves_it(tmp_path: Pa
     evals = _write(tmp_path / "eval.jsonl", _rows("eval", 24, 16))
     args = ["--model", "maxer", "--version", "v1", "--base", base_dir, "--data", data, "--eval", evals]
     args += ["--root", str(root), "--steps", str(STEPS), "--checkpoint-every", "10"]
-    seen = _kill_after_checkpoint(args)
+    seen, sockets = _kill_after_checkpoint(args)
     assert any(re.search(rf"step \d+/{STEPS}", line) for line in seen), "".join(seen[-40:])
+    # the job's own Ray on loopback (LOCAL_RAY_LOOPBACK); only rank 0's DDP rendezvous store (torch's
+    # TCPStore, no address option) listens on every interface
+    assert any("gcs_server" in cmd for cmd, _, _ in sockets), sockets
+    open_ = [(cmd[:60], ip, port) for cmd, ip, port in sockets if not is_loopback(ip)]
+    assert len(open_) <= 1 and all(cmd.startswith("ray::RayTrainWorker") for cmd, _, _ in open_), open_
     assert not any("Reporting training result" in line for line in seen), "Ray Train chatter is back"
     # the job's own Ray runs with the job's private token: Ray's default token would warn
     assert not any("Token authentication is enabled for this Ray cluster" in line for line in seen), "".join(seen)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 
 import grpc
-import psutil
 
 from serving.config import load_config
 from serving.control.stack import StackState
 from tests.conftest import Stack
+from tests.support.sockets import is_loopback, listening, process_tree
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -40,24 +39,6 @@ def test_serve_controller_runs_with_the_configured_control_loop(stack: Stack) ->
     assert controllers[0]["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
 
 
-def _stack_pids(ray_pid: int) -> dict[int, str]:
-    """pid -> command line (a Ray worker's is its title) of every process under the stack's
-    ``ray start``: Ray's daemons and workers, and the engines the replicas start."""
-    found = {}
-    for proc in psutil.Process(ray_pid).children(recursive=True):
-        try:
-            found[proc.pid] = " ".join(proc.cmdline())
-        except psutil.Error:  # gone meanwhile
-            continue
-    return found
-
-
-def _loopback(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
-
-
 def _unauthenticated(port: int) -> grpc.StatusCode:
     """What a Serve replica's inter-deployment gRPC server answers a call without Ray's token."""
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -79,19 +60,14 @@ def test_every_port_of_the_local_stack_listens_on_loopback(stack: Stack) -> None
     cfg = load_config(stack.config)
     state = StackState.load(cfg.name)
     assert state is not None
-    pids = _stack_pids(state.ray_pid)
+    pids = process_tree(state.ray_pid)
     assert any("/raylet" in cmd for cmd in pids.values())
-    listening = [
-        (c.pid, c.laddr.ip, c.laddr.port)
-        for c in psutil.net_connections(kind="tcp")
-        if c.status == psutil.CONN_LISTEN and c.pid in pids
-    ]
-    ports = {port for _, _, port in listening}
+    sockets = listening(pids)
+    ports = {port for _, _, port in sockets}
     assert cfg.gateway.port in ports and cfg.local_ray.metrics_export_port in ports
     assert cfg.local_ray.dashboard_port in ports and cfg.local_ray.gcs_port in ports
-    engines = [pid for pid in pids if "engine_main" in pids[pid]]
-    assert engines and any(pid in engines for pid, _, _ in listening)  # the engines' HTTP ports are seen
-    open_ = [(pids[pid], ip, port) for pid, ip, port in listening if not _loopback(ip)]
+    assert any("engine_main" in cmd for cmd, _, _ in sockets)  # the engines' HTTP ports are among them
+    open_ = [(cmd, ip, port) for cmd, ip, port in sockets if not is_loopback(ip)]
     for title, ip, port in open_:
         assert title.startswith("ray::ServeReplica"), f"{title[:80]} listens on {ip}:{port}"
         assert _unauthenticated(port) == grpc.StatusCode.UNAUTHENTICATED, f"{title[:80]} on {ip}:{port}"
