@@ -222,15 +222,13 @@ def router_command(
 def our_engine_endpoints(address: str = GCS_ADDRESS, name: str = "bench") -> dict[str, tuple[str, str]]:
     """Our replicas' engines (url, token) as they publish them in Ray's KV store, read by a short
     Ray driver in a child process (the benchmark itself stays out of Ray)."""
-    from serving.control.stack import RUN_DIR
+    from serving.control.stack import ray_env
 
     code = "import sys; from loadtests.kv_bench import _print_records; _print_records(sys.argv[1])"
-    # the stack's Ray requires its token (serving.control.stack.start_ray), kept in its run dir
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str((ROOT / RUN_DIR / f"{name}.token").resolve())}
     out = subprocess.run(
         [sys.executable, "-c", code, address],
         cwd=ROOT,
-        env={**_base_env(False), **auth},
+        env={**_base_env(False), **ray_env(name)},  # the stack's token, and loopback (stack.ray_env)
         capture_output=True,
         text=True,
         timeout=120,

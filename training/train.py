@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,8 @@ def _init_ray(workers: int, ray_address: str | None) -> Callable[[], None] | Non
     # subprocess `serving up` runs); otherwise it starts without the dashboard, as before.
     fresh = "ray" not in sys.modules
     restore = _private_ray_auth() if fresh and not address else None
+    if fresh and address and address.split("://")[-1].rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+        _set_environ(LOCAL_RAY_LOOPBACK)  # a local stack's head (serving.control.stack.ray_env)
     import ray
 
     if ray.is_initialized():
@@ -150,7 +152,7 @@ def _init_ray(workers: int, ray_address: str | None) -> Callable[[], None] | Non
     return stop
 
 
-def _set_environ(values: dict[str, str | None]) -> Callable[[], None]:
+def _set_environ(values: Mapping[str, str | None]) -> Callable[[], None]:
     """Set ``values`` in this process's environment (Ray's processes inherit it; ``None`` removes
     a variable); returns what puts each variable back as it was, or removes it."""
     saved = {k: os.environ.get(k) for k in values}

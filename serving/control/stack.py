@@ -35,6 +35,7 @@ __all__ = [
     "deploy",
     "ensure_models",
     "only_models",
+    "ray_env",
     "serve_status",
     "servable",
     "start_ray",
@@ -158,6 +159,15 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def ray_env(name: str) -> dict[str, str]:
+    """The environment of every process of stack ``name``'s Ray, its head's and any driver's:
+    Ray's token authentication with the stack's token file, and ``LOCAL_RAY_LOOPBACK``. A driver
+    without the latter resolves ``127.0.0.1`` to the machine's network address, where this head
+    does not listen, and ``ray.init`` waits until it times out."""
+    token = (RUN_DIR / f"{name}.token").resolve()
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), **LOCAL_RAY_LOOPBACK}
+
+
 def start_ray(
     name: str, ray: LocalRayConfig, env: dict[str, str], base_url: str, ports: tuple[int, ...] = ()
 ) -> StackState:
@@ -199,7 +209,6 @@ def start_ray(
     token_path = (RUN_DIR / f"{name}.token").resolve()
     token_path.touch(mode=0o600)
     token_path.write_text(secrets.token_hex(32))
-    auth_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
     # Ray starts workers at nice 15, below its own daemons; the engines are the product, so they
     # run at normal priority unless the environment says otherwise (docs/performance.md)
     nice = {"RAY_worker_niceness": "0"}
@@ -210,7 +219,7 @@ def start_ray(
     log = open(RUN_DIR / f"{name}-ray.log", "ab")
     proc = subprocess.Popen(
         cmd,
-        env={**nice, **os.environ, **env, **loop, **auth_env, **LOCAL_RAY_LOOPBACK},
+        env={**nice, **os.environ, **env, **loop, **ray_env(name)},
         stdout=log,
         stderr=log,
         start_new_session=True,

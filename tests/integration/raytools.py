@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from serving.config import load_config
-from serving.control.stack import StackState
+from serving.control.stack import StackState, ray_env
 from tests.conftest import ROOT, Stack
 
 __all__ = ["ray_run"]
@@ -27,7 +27,7 @@ def ray_run(stack: Stack, body: str, timeout_s: float = 120, env: dict[str, str]
         f"ray.init(address='127.0.0.1:{state.gcs_port}', namespace='raystack', logging_level='ERROR',"
         " log_to_driver=False)\n"
     )
-    full = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(state.token_path)}
+    full = {**os.environ, **(env or {}), **ray_env(state.name)}
     out = subprocess.run(
         [sys.executable, "-c", head + body], cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout_s
     )
