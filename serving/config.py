@@ -583,11 +583,12 @@ class LocalRayConfig(_Strict):
     )
 
 
-# The environment of every local, one-node Ray (the stack's head, the training job's own): Ray
-# replaces a loopback node address with the machine's network address, so that other nodes can
-# join, unless multi-node clusters are switched off. With them on, its metrics ports listened on
-# every interface without authentication, and its daemons and the model engines (which listen on
-# Ray's node address) on the network's. Off, all of them listen on 127.0.0.1.
+# The environment of every local, one-node Ray (the stack's head and its drivers, the training
+# job's own): Ray replaces a loopback node address with the machine's network address, so that
+# other nodes can join, unless multi-node clusters are switched off. With them on, its metrics
+# ports would listen on every interface without authentication, and its daemons and the model
+# engines (which listen on Ray's node address) on the network's. Off, all of them listen on
+# 127.0.0.1.
 LOCAL_RAY_LOOPBACK: dict[str, str] = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
