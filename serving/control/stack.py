@@ -63,7 +63,7 @@ class StackState:
 
     @property
     def token_path(self) -> Path:
-        return (RUN_DIR / f"{self.name}.token").resolve()
+        return token_path(self.name)
 
     def auth(self) -> dict[str, str]:
         """Header for the dashboard / job API (Ray token authentication)."""
@@ -159,13 +159,17 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def token_path(name: str) -> Path:
+    """Stack ``name``'s Ray token file (mode 0600, written by :func:`start_ray`)."""
+    return (RUN_DIR / f"{name}.token").resolve()
+
+
 def ray_env(name: str) -> dict[str, str]:
     """The environment of every process of stack ``name``'s Ray, its head's and any driver's:
     Ray's token authentication with the stack's token file, and ``LOCAL_RAY_LOOPBACK``. A driver
     without the latter resolves ``127.0.0.1`` to the machine's network address, where this head
     does not listen, and ``ray.init`` waits until it times out."""
-    token = (RUN_DIR / f"{name}.token").resolve()
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), **LOCAL_RAY_LOOPBACK}
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path(name)), **LOCAL_RAY_LOOPBACK}
 
 
 def start_ray(
@@ -206,9 +210,9 @@ def start_ray(
         "--disable-usage-stats",
     ]
     RUN_DIR.mkdir(parents=True, exist_ok=True)
-    token_path = (RUN_DIR / f"{name}.token").resolve()
-    token_path.touch(mode=0o600)
-    token_path.write_text(secrets.token_hex(32))
+    token = token_path(name)
+    token.touch(mode=0o600)
+    token.write_text(secrets.token_hex(32))
     # Ray starts workers at nice 15, below its own daemons; the engines are the product, so they
     # run at normal priority unless the environment says otherwise (docs/performance.md)
     nice = {"RAY_worker_niceness": "0"}
