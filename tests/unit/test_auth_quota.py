@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -106,6 +107,41 @@ class _Unanswering:
     def __init__(self) -> None:
         self.admit = _Call(lambda *a: asyncio.get_running_loop().create_future())
         self.record = _Call(lambda *a: None)
+
+
+class _Late:
+    """A real quota actor in process whose admissions land ``delay_s`` late (a restarting or
+    overloaded actor: Ray runs a queued call after the caller stopped waiting)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.actor = QuotaActor(MemoryKV(), checkpoint_s=0)
+
+        async def run(*args: Any) -> Any:
+            await asyncio.sleep(delay_s)
+            return self.actor.admit(*args)
+
+        # like an ObjectRef: the call runs whether or not its caller still waits for it
+        self.admit = _Call(lambda *args: asyncio.shield(asyncio.ensure_future(run(*args))))
+        self.record = _Call(lambda *args: self.actor.record(*args))
+
+
+@pytest.mark.parametrize("left", ["timeout", "client_left"])
+async def test_an_admission_that_lands_after_the_gateway_stopped_waiting_is_given_back(left: str) -> None:
+    late = _Late(0.3)
+    client = QuotaClient(3600, late, timeout_s=0.1 if left == "timeout" else 5)
+    waiting = asyncio.ensure_future(client.admit("t", None, 1000, reserve=600, stream=True, max_streams=1))
+    if left == "timeout":
+        assert await waiting == ({}, 0)  # failed open
+    else:
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    await asyncio.sleep(0.5)  # the actor admits late; the client settles that at once
+    counter = late.actor.counter
+    assert counter.reserved("t", time.time()) == 0 and counter.streams("t") == 0
+    # the tenant still has its whole TPM and its one stream
+    assert late.actor.admit("t", None, 1000, 3600, 600, True, 1).allowed
 
 
 @pytest.mark.parametrize("mode", ["open", "closed"])

@@ -16,7 +16,8 @@ each admitted stream holds a ticket until it ends (the same settle call; lapsing
 
 Failure: admission waits at most ``timeout_s`` for the actor; if it does not answer (dead,
 restarting, overloaded) the request is admitted unchecked (``failure_mode: open``) or refused with
-503 and ``Retry-After`` (``closed``), never a 500. The actor is restarted by Ray
+503 and ``Retry-After`` (``closed``), never a 500; what the actor admits after that (its call was
+queued) is given back when it lands. The actor is restarted by Ray
 (``max_restarts=-1``) and checkpoints its windows and reservations to Ray's key-value store
 every ``CHECKPOINT_S``, reloading them when it starts, so a restart loses at most that much.
 """
@@ -273,10 +274,16 @@ class QuotaClient:
         a stream slot); returns the rate-limit headers and the ticket to settle (:meth:`record`)."""
         if rpm is None and tpm is None and (max_streams is None or not stream):
             return {}, 0
-        call = self._admit(tenant, rpm, tpm, reserve, stream, max_streams)
+        # The actor call goes on after the gateway stops waiting for it (a timeout, or the client
+        # left): an admission that lands later is settled at once, not held for ``hold_s``.
+        call = asyncio.ensure_future(self._admit(tenant, rpm, tpm, reserve, stream, max_streams))
         try:
-            a: Admission = await asyncio.wait_for(call, self.timeout_s)
+            a: Admission = await asyncio.wait_for(asyncio.shield(call), self.timeout_s)
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda done: self._settle_late(tenant, done))
+            raise
         except Exception as exc:  # noqa: BLE001 - timeout, actor dead or restarting: the failure mode decides
+            call.add_done_callback(lambda done: self._settle_late(tenant, done))
             return self._failed(tenant, exc)
         headers = rate_limit_headers(a)
         if a.reason == "streams":
@@ -301,6 +308,14 @@ class QuotaClient:
         handle = self._actor if self._actor is not None else await asyncio.to_thread(self._handle)
         a: Admission = await handle.admit.remote(tenant, rpm, tpm, self.window_s, reserve, stream, max_streams)
         return a
+
+    def _settle_late(self, tenant: str, done: asyncio.Future[Admission]) -> None:
+        """Give back what an admission the gateway no longer waited for reserved."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        ticket = done.result().ticket
+        if ticket:
+            self.record(tenant, 0, ticket)
 
     def _failed(self, tenant: str, exc: BaseException) -> tuple[dict[str, str], int]:
         self.failures += 1
