@@ -354,6 +354,9 @@ class ReplicaFinder:
         except TimeoutError:
             _cancel(gen)  # still waiting for a replica: withdraw the request
             raise unavailable(f"No replica of '{app}' became available in {timeout_s:.0f}s.", 5) from None
+        except asyncio.CancelledError:  # the client left: a lease granted now would be held forever
+            _cancel(gen)
+            raise
         except (ActorDiedError, ActorUnavailableError, RayActorError, StopAsyncIteration) as exc:
             raise ReplicaGone(f"replica unavailable: {type(exc).__name__}") from None
         except DeploymentUnavailableError:

@@ -171,6 +171,14 @@ async def test_a_cold_model_that_does_not_start_in_time_is_a_503_with_retry_afte
     assert err.value.status == 503 and err.value.headers == {"retry-after": "5"}
     assert "No replica of 'cold--v1' became available in 0s" in str(err.value)
     assert cancelled == [True]
+    # a client that leaves while it waits withdraws the call too: a replica granted later would
+    # otherwise hold that lease (one of its max_ongoing_requests) for good
+    waiting = asyncio.ensure_future(leases.lease("cold--v1", LeaseHint(), timeout_s=30))
+    await asyncio.sleep(0.1)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert cancelled == [True, True]
 
 
 async def test_a_stopping_listener_fails_readiness_first_then_drains_then_closes() -> None:
