@@ -169,6 +169,8 @@ def _check(kind: AgentKind, body: dict[str, Any]) -> None:
     v = body.get("stream")
     if v is not None and not isinstance(v, bool):
         raise InvalidRequest(f"'stream' must be a boolean, not {type_name(v)}", param="stream")
+    if v and kind not in _GENERATES:  # the engine answers these with one JSON body, never a stream
+        raise InvalidRequest(f"'stream' is not supported for {kind} requests", param="stream")
     if kind == "responses":
         _require(body, "input", (str, list), "a non-empty string or array of items")
         if body.get("background"):

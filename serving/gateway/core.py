@@ -19,7 +19,6 @@ from serving.errors import (
     InvalidRequest,
     NotFound,
     RateLimited,
-    Unavailable,
     UpstreamError,
     sse_error_event,
     unavailable,
@@ -73,6 +72,7 @@ class Exchange:
         self.usage: dict[str, Any] | None = None
         self.counted: dict[str, Any] | None = None  # the tokens a splice counted (:meth:`count`)
         self._done = False
+        self.engine_asked = False  # a replica was leased for it (set by the request's leaser)
         self.in_flight[self.model] += 1
 
     def feed(self, chunk: bytes) -> bytes:
@@ -93,7 +93,10 @@ class Exchange:
         return self.tap.flush() if self.tap else b""
 
     def failed(self, request_id: str) -> bytes:
-        return self.flush() + sse_error_event(
+        """The error event that ends a broken stream. The bytes after the last whole event are
+        dropped: they are part of an event the engine never finished, which would garble this one."""
+        self.flush()
+        return sse_error_event(
             UpstreamError("The model replica failed while streaming; the response is incomplete."),
             request_id,
             self.parsed.error_shape,
@@ -114,8 +117,8 @@ class Exchange:
         prompt, completion = self.parsed.tokens(self.usage) if self.usage is not None else (0, 0)
         if self.usage is not None:
             tokens = prompt + completion
-        else:  # a client that left before any usage came: the engine may have run, bill the reservation
-            tokens = self.reserved if status == 499 else 0
+        else:  # a client that left before any usage came: once an engine may have run, bill the reservation
+            tokens = self.reserved if status == 499 and self.engine_asked else 0
         if self.tenant.tpm is not None or self.ticket:
             self.quota.record(self.tenant.name, tokens if self.tenant.tpm is not None else 0, self.ticket)
         m = self.metrics
@@ -259,37 +262,36 @@ class GatewayCore:
                 self.metrics.rate_limited.inc(tags={"tenant": tenant.name, "limit": str(exc.code)})
             raise
         model = resolved.model.name
-        try:
+        exchange: Exchange | None = None
+        try:  # whatever fails from here on settles the ticket, and the exchange once there is one
             self._shed(model, tenant)
-        except Unavailable:
-            self.quota.record(tenant.name, 0, ticket)
-            raise
-        hint = self.hint_for(resolved, parsed, session_id)
-        app, timeout = resolved.version.app, resolved.model.cold_start_timeout_s
-        limit = resolved.model.max_ongoing_requests
-        loaded_first = resolved.model.adapter_routing == "loaded_first"
-        served = resolved.version.served_name or model
-        exchange = Exchange(
-            parsed,
-            resolved,
-            tenant,
-            in_flight=self.in_flight,
-            quota=self.quota,
-            metrics=self.metrics,
-            ticket=ticket,
-            reserved=reserve,
-        )
+            hint = self.hint_for(resolved, parsed, session_id)
+            app, timeout = resolved.version.app, resolved.model.cold_start_timeout_s
+            limit = resolved.model.max_ongoing_requests
+            loaded_first = resolved.model.adapter_routing == "loaded_first"
+            served = resolved.version.served_name or model
+            exchange = current = Exchange(
+                parsed,
+                resolved,
+                tenant,
+                in_flight=self.in_flight,
+                quota=self.quota,
+                metrics=self.metrics,
+                ticket=ticket,
+                reserved=reserve,
+            )
 
-        async def leaser() -> Lease:
-            return await self.leases.lease(app, hint, timeout, limit, loaded_first)
+            async def leaser() -> Lease:
+                lease = await self.leases.lease(app, hint, timeout, limit, loaded_first)
+                current.engine_asked = True  # from here an engine may run it: a client that leaves pays
+                return lease
 
-        # chat and completions streams may be continued elsewhere (serving.gateway.migration)
-        splice = (
-            self._splice(parsed, resolved, exchange, path, request_id, leaser)
-            if isinstance(parsed, ParsedRequest)
-            else None
-        )
-        try:
+            # chat and completions streams may be continued elsewhere (serving.gateway.migration)
+            splice = (
+                self._splice(parsed, resolved, exchange, path, request_id, leaser)
+                if isinstance(parsed, ParsedRequest)
+                else None
+            )
             result = await forward(
                 client=self.client,
                 leaser=leaser,
@@ -304,7 +306,10 @@ class GatewayCore:
                 shape=parsed.error_shape,
             )
         except BaseException as exc:  # a client that left cancels the request: 499
-            exchange.finish(499 if isinstance(exc, asyncio.CancelledError) else getattr(exc, "status", 500))
+            if exchange is None:  # refused before an exchange began: nothing was asked of an engine
+                self.quota.record(tenant.name, 0, ticket)
+            else:
+                exchange.finish(499 if isinstance(exc, asyncio.CancelledError) else getattr(exc, "status", 500))
             raise
         if splice is not None and result.stream is not None:
             result = spliced(result, splice)

@@ -151,9 +151,9 @@ class KVFeeds:
             return None
         try:
             tokens = prompts.tokens(kind, body)
+            return tuple(block_keys(tokens, size, adapter)) if tokens else None
         except Exception:  # noqa: BLE001 - the engine will say what is wrong with it; route by load
             return None
-        return tuple(block_keys(tokens, size, adapter)) if tokens else None
 
     def sync(self, records: Iterable[Record]) -> None:
         """Follow the streams of these (live) records; forget the replicas not among them."""

@@ -79,7 +79,8 @@ class Forwardable(Protocol):
 
 Kind = Literal["chat", "completion", "embedding"]
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "seed", "top_logprobs")
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "seed", "top_logprobs")
+_MAX_TOKEN_ID = 2**63 - 1  # token ids beyond int64 are no engine's: refused here, not crashed on
 _NUM_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 
 
@@ -276,6 +277,9 @@ def _check_types(body: dict[str, Any]) -> None:
         v = body.get(key)
         if v is not None and v < 1:
             raise InvalidRequest(f"'{key}' must be at least 1, got {v}", param=key)
+    v = body.get("min_tokens")
+    if v is not None and v < 0:
+        raise InvalidRequest(f"'min_tokens' must be at least 0, got {v}", param="min_tokens")
     for key in _NUM_FIELDS:
         v = body.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
@@ -308,34 +312,42 @@ def _check_messages(messages: object) -> None:
             raise InvalidRequest(f"'{where}.content' must be a string or an array of parts", param=f"{where}.content")
 
 
+def _token_ids(v: object) -> bool:
+    return (
+        isinstance(v, list)
+        and bool(v)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_TOKEN_ID for t in v)
+    )
+
+
+def _text_or_ids(v: object) -> bool:
+    """OpenAI's four forms of a prompt or an embeddings input: a string, or a non-empty array of
+    strings, of token ids or of token id arrays (none of them empty)."""
+    if isinstance(v, str):
+        return v != ""
+    return (
+        isinstance(v, list)
+        and bool(v)
+        and (all(isinstance(p, str) and p for p in v) or _token_ids(v) or all(_token_ids(p) for p in v))
+    )
+
+
 def _check_prompt(prompt: object) -> None:
     if prompt is None:
         raise InvalidRequest("'prompt' is a required property", param="prompt")
-    ok = isinstance(prompt, str) or (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in prompt)
-    )
-    if not ok or prompt == "":
-        raise InvalidRequest("'prompt' must be a non-empty string or array", param="prompt")
+    if not _text_or_ids(prompt):
+        raise InvalidRequest(
+            "'prompt' must be a non-empty string, or a non-empty array of strings, of token ids or of token id arrays",
+            param="prompt",
+        )
 
 
 def _check_input(body: dict[str, Any]) -> None:
-    """An embeddings ``input``: a string, or a non-empty array of strings, of token ids, or of
-    arrays of token ids (OpenAI's four forms); embeddings are never streamed."""
+    """An embeddings ``input`` (the forms of :func:`_text_or_ids`); embeddings are never streamed."""
     inp = body.get("input")
     if inp is None:
         raise InvalidRequest("'input' is a required property", param="input")
-
-    def ids(v: object) -> bool:
-        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
-
-    ok = (isinstance(inp, str) and inp != "") or (
-        isinstance(inp, list)
-        and bool(inp)
-        and (all(isinstance(p, str) and p for p in inp) or ids(inp) or all(ids(p) for p in inp))
-    )
-    if not ok:
+    if not _text_or_ids(inp):
         raise InvalidRequest(
             "'input' must be a non-empty string, or a non-empty array of strings, of token ids or of token id arrays",
             param="input",

@@ -56,6 +56,7 @@ FIELDS = [
     "stream_options",
     "stop",
     "seed",
+    "min_tokens",
     "logprobs",
     "top_logprobs",
     "presence_penalty",

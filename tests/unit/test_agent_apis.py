@@ -25,6 +25,7 @@ from serving.gateway.agent_protocol import EventTap, parse_agent_request
 from serving.gateway.conversations import ResponseLog, ResponseStore, ResponseStoreActor, expand
 from serving.gateway.core import GatewayCore
 from serving.gateway.routes import create_api
+from tests.support.actors import LocalActor
 from tests.support.kv import MemoryKV
 
 # -- the store ----------------------------------------------------------------------------------
@@ -39,25 +40,6 @@ def test_the_log_is_bounded_per_tenant_by_count_bytes_and_time() -> None:
     assert log.get("b", "r3", 0) is None  # another tenant's id is nobody's
     assert log.get("a", "r3", 100.0) is None  # expired
     assert log.expired(100.0) == [("a", "r3"), ("a", "big")] and log.count("a") == 0
-
-
-class _Local:
-    """An in-process actor handle: ``handle.method.remote(*args)`` awaits the method's result."""
-
-    def __init__(self, obj: Any) -> None:
-        self._obj = obj
-
-    def __getattr__(self, name: str) -> Any:
-        fn = getattr(self._obj, name)
-
-        class _Call:
-            @staticmethod
-            def remote(*args: Any) -> Any:
-                done = asyncio.get_running_loop().create_future()
-                done.set_result(fn(*args))
-                return done
-
-        return _Call
 
 
 def test_stored_responses_survive_an_actor_restart_and_evictions_leave_the_kv() -> None:
@@ -88,7 +70,9 @@ async def test_a_store_that_does_not_answer_is_a_503_and_large_records_are_not_k
     with pytest.raises(Unavailable):
         await store.get("t", "r")
     assert await store.put("t", "r", {"response": {}, "items": []}) is False
-    small = ResponseStore(ResponseStoreConfig(max_response_bytes=1024), actor=_Local(ResponseStoreActor(MemoryKV(), 0)))
+    small = ResponseStore(
+        ResponseStoreConfig(max_response_bytes=1024), actor=LocalActor(ResponseStoreActor(MemoryKV(), 0))
+    )
     assert await small.put("t", "r", {"items": ["x" * 2000]}) is False and await small.get("t", "r") is None
 
 
@@ -249,10 +233,10 @@ async def _stack() -> AsyncIterator[tuple[httpx.AsyncClient, list[dict[str, Any]
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    actor = _Local(ResponseStoreActor(MemoryKV(), 0))
+    actor = LocalActor(ResponseStoreActor(MemoryKV(), 0))
     settings = GatewayConfig(expose_replica_header=True)
     core = GatewayCore(settings, OneReplica(url), replica_id="gw-1", response_store_actor=actor)
-    core.quota = QuotaClient(60, _Local(QuotaActor(MemoryKV(), checkpoint_s=0)))  # kept by reconfigure
+    core.quota = QuotaClient(60, LocalActor(QuotaActor(MemoryKV(), checkpoint_s=0)))  # kept by reconfigure
     core.reconfigure(routing_user_config(parse_config(STACK)))
     transport = httpx.ASGITransport(app=create_api(core, set_request_id_header=True))
     try:
