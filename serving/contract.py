@@ -41,6 +41,7 @@ __all__ = [
     "REFRESH_S",
     "RUNNING_REQUESTS_KEY",
     "UP",
+    "AdapterRefused",
     "BlockKey",
     "Endpoint",
     "LeaseHint",
@@ -63,6 +64,13 @@ try:  # the key Serve's default autoscaling policy reads from a replica's report
     from ray.serve._private.common import RUNNING_REQUESTS_KEY
 except ImportError:  # pragma: no cover - tests/unit/test_gateway_listener.py fails loudly if it moves
     RUNNING_REQUESTS_KEY = "running_requests"
+
+
+class AdapterRefused(Exception):
+    """A LoRA adapter a base replica will not register: not configured for that base, failing
+    verification against its manifest, above the engine's rank, or refused by vLLM. A lease raises
+    it; every replica of the base would refuse it the same way, so the gateway answers with it
+    instead of trying another replica."""
 
 
 @dataclass(frozen=True)

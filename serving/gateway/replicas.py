@@ -38,8 +38,20 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from serving.contract import KV, REFRESH_S, UP, BlockKey, Endpoint, LeaseHint, RayKV, Record, read_records, withdraw
-from serving.errors import unavailable
+from serving.contract import (
+    KV,
+    REFRESH_S,
+    UP,
+    AdapterRefused,
+    BlockKey,
+    Endpoint,
+    LeaseHint,
+    RayKV,
+    Record,
+    read_records,
+    withdraw,
+)
+from serving.errors import InternalError, unavailable
 from serving.gateway.kv_index import LOAD_BLOCKS, KVFeeds, KVIndex
 
 logger = logging.getLogger("serving.gateway")
@@ -361,6 +373,13 @@ class ReplicaFinder:
             raise ReplicaGone(f"replica unavailable: {type(exc).__name__}") from None
         except DeploymentUnavailableError:
             raise unavailable(f"Model '{app}' is not deployed right now.", 5) from None
+        except AdapterRefused as exc:  # every replica of the base would refuse it: no retry
+            logger.warning("adapter %s refused by a replica of %s: %s", hint.adapter, app, exc)
+            raise InternalError(
+                f"The adapter '{hint.adapter}' cannot be served: its replica refused to load it "
+                "(the gateway's log says why).",
+                code="adapter_refused",
+            ) from None
         except RuntimeError as exc:  # the replica refused (its engine process is down)
             raise ReplicaGone(f"replica refused lease: {exc}") from None
         return ServeLease(gen, endpoint)

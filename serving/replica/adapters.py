@@ -31,25 +31,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from serving.config import LoraSlots
-from serving.contract import REFRESH_S
+from serving.contract import REFRESH_S, AdapterRefused
 from serving.metrics import samples
 from serving.node_cache import VerifiedCache
+from serving.registry import RegistryError
 
 logger = logging.getLogger("ray.serve")
 
-__all__ = ["UNLOAD_DELAY_S", "AdapterRefused", "AdapterSet", "Registered"]
+__all__ = ["REFUSED_S", "UNLOAD_DELAY_S", "AdapterRefused", "AdapterSet", "AdapterUnknown", "Registered"]
 
 UNLOAD_DELAY_S = 2 * REFRESH_S + 1.0
+REFUSED_S = 30.0  # an adapter that failed verification is refused this long without fetching it again
 
 
-class AdapterRefused(RuntimeError):
-    """The adapter is not configured for this base, fails verification, or exceeds its slots."""
+class AdapterUnknown(RuntimeError):
+    """The adapter is not (yet) in this replica's configuration: another replica, or this one after
+    its next reconfiguration, may hold it, so the gateway tries again (a replica-level refusal)."""
 
 
 class Registered:
@@ -85,6 +89,7 @@ class AdapterSet:
         self.allowed: dict[str, str] = {}  # name@version -> store path of the version
         self.registered: dict[str, str] = {}  # name@version -> verified local folder, registered now
         self._retiring: dict[str, asyncio.Task[None]] = {}
+        self._refused: dict[str, tuple[str, float, str]] = {}  # name -> (store path, refused until, why)
         self._seen_at = 0.0  # the newest lora_requests_info stamp read (the engine's clock)
         self._metrics: Any = None
         try:
@@ -111,13 +116,21 @@ class AdapterSet:
     async def load(self, name: str) -> Registered:
         """Register ``name`` with the engine (fetched and verified first) unless it holds it."""
         if name not in self.allowed:
-            raise AdapterRefused(f"adapter {name!r} is not configured for this base")
+            raise AdapterUnknown(f"adapter {name!r} is not configured for this base")
         retiring = self._retiring.pop(name, None)
         if retiring is not None:  # wanted again before it was unregistered: kept, still a load
             retiring.cancel()
             self._count("loads", name)
         elif name not in self.registered:
-            local = await asyncio.to_thread(self._verified, name)
+            source = self.allowed[name]
+            refused = self._refused.get(name)
+            if refused is not None and refused[0] == source and time.monotonic() < refused[1]:
+                raise AdapterRefused(refused[2])
+            try:
+                local = await asyncio.to_thread(self._verified, name)
+            except AdapterRefused as exc:  # the same files would be refused again: not refetched for a while
+                self._refused[name] = (source, time.monotonic() + REFUSED_S, str(exc))
+                raise
             resp = await self.client.post(
                 f"{self.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": local}, timeout=120
             )
@@ -130,7 +143,10 @@ class AdapterSet:
         return Registered(self, name, asyncio.get_running_loop())
 
     def _verified(self, name: str) -> str:
-        resolved = VerifiedCache(self.cache_dir).resolve_uri(self.allowed[name])
+        try:
+            resolved = VerifiedCache(self.cache_dir).resolve_uri(self.allowed[name])
+        except (RegistryError, OSError, ValueError) as exc:  # tampered, partial, unreadable: named
+            raise AdapterRefused(f"{name}: {exc}") from None
         adapter = resolved.manifest.adapter
         if adapter is None:
             raise AdapterRefused(f"{name}: the version's manifest describes no LoRA adapter")

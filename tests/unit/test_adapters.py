@@ -17,10 +17,11 @@ from serving.config import ConfigError, LoraSlots, parse_config
 from serving.contract import Record
 from serving.control.serve_config import adapter_bases, build_serve_config, serving_app
 from serving.gateway.replicas import EndpointTable
+from serving.node_cache import VerifiedCache
 from serving.record import PromotionRequest
 from serving.registry import hash_tree
 from serving.replica import adapters as adapters_mod
-from serving.replica.adapters import AdapterRefused, AdapterSet
+from serving.replica.adapters import AdapterRefused, AdapterSet, AdapterUnknown
 from serving.replica.engine import EngineSpec, vllm_command, vllm_env
 from tests.unit.test_controller import POLICY, Clock, Cluster, _controller, _publish, _run
 
@@ -180,7 +181,7 @@ def test_a_replica_verifies_registers_and_retires_adapters(tmp_path: Path, monke
         await held.load("sub@v1")  # held: no second registration
         with pytest.raises(AdapterRefused, match="rank 64 exceeds the base's max_lora_rank 16"):
             await held.load("big@v1")
-        with pytest.raises(AdapterRefused, match="not configured"):
+        with pytest.raises(AdapterUnknown, match="not configured"):
             await held.load("other@v1")
         await held.load("tax@v1")
         held.retire("sub@v1")
@@ -189,7 +190,7 @@ def test_a_replica_verifies_registers_and_retires_adapters(tmp_path: Path, monke
         held.configure({"tax@v1": str(tmp_path / "tax" / "v1")})  # still configured: kept
         held.configure({})
         await asyncio.sleep(0.2)
-        with pytest.raises(AdapterRefused, match="not configured"):
+        with pytest.raises(AdapterUnknown, match="not configured"):
             await held.load("tax@v1")
         return held
 
@@ -203,7 +204,7 @@ def test_a_replica_verifies_registers_and_retires_adapters(tmp_path: Path, monke
     assert held.names == () and published[-1] == ()
 
 
-def test_a_tampered_adapter_is_never_registered(tmp_path: Path) -> None:
+def test_a_tampered_adapter_is_never_registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     d = _publish_adapter(tmp_path, "sub", "v1", "calc@v1")
     (d / "adapter_model.safetensors").write_bytes(b"tampered")
     engine = _Engine()
@@ -212,11 +213,47 @@ def test_a_tampered_adapter_is_never_registered(tmp_path: Path) -> None:
         client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
         held = AdapterSet(client, "http://e", LoraSlots(), lambda: None, TAGS, cache_dir=str(tmp_path / "cache"))
         held.configure({"sub@v1": str(d)})
-        with pytest.raises(Exception, match="adapter_model.safetensors"):
+        with pytest.raises(AdapterRefused, match="sub@v1: .*adapter_model.safetensors"):
             await held.load("sub@v1")
+        fetched = []
+        monkeypatch.setattr(VerifiedCache, "resolve_uri", lambda *a: fetched.append(a))
+        with pytest.raises(AdapterRefused, match="adapter_model.safetensors"):
+            await held.load("sub@v1")  # refused again at once, without fetching and hashing it again
+        assert fetched == []
 
     asyncio.run(scenario())
     assert engine.calls == []
+
+
+async def test_a_refused_adapter_is_answered_once_not_retried_on_other_replicas() -> None:
+    """The gateway's side: a lease that the replica refuses for its adapter (every replica would)
+    is a clear error naming the adapter, not a replica failure to retry, and not a bare 500."""
+    from serving.contract import LeaseHint
+    from serving.errors import InternalError
+    from serving.gateway.replicas import ReplicaFinder
+
+    class Refusing:
+        async def __anext__(self) -> object:
+            raise AdapterRefused("sub@v1: adapter_model.safetensors does not match the manifest")
+
+        def cancel(self) -> None:
+            pass
+
+    class Handle:
+        class lease:  # noqa: N801 - mirrors handle.lease.remote(...)
+            @staticmethod
+            def remote(hint: LeaseHint) -> Refusing:
+                return Refusing()
+
+        def options(self, **kwargs: Any) -> Handle:
+            return self
+
+    leases = ReplicaFinder()
+    leases._handles["calc--v1"] = Handle()  # type: ignore[assignment]
+    with pytest.raises(InternalError) as err:
+        await leases.lease("calc--v1", LeaseHint(adapter="sub@v1"), timeout_s=5)
+    assert err.value.code == "adapter_refused" and "sub@v1" in err.value.message
+    assert "safetensors" not in err.value.message  # the store's details stay in the gateway's log
 
 
 class _Cluster(Cluster):
