@@ -18,7 +18,7 @@ Exception tree (all carry ``model`` and ``version``)::
     RegistryError
      +-- VersionNotFound      no such model/version directory
      +-- VersionExists        publish refused: the version is already there (never overwritten)
-     +-- IncompleteVersion    no manifest, or a manifest that does not parse
+     +-- IncompleteVersion    no manifest, or an invalid one (e.g. a file name outside the version)
      +-- TamperedVersion      a listed file is missing or differs, or an unlisted file is present
      +-- BelowEvalGate        the manifest's gated metric is missing or misses the gate
 """
@@ -37,7 +37,7 @@ from typing import Any, Final, Literal
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = [
     "Adapter",
@@ -55,6 +55,7 @@ __all__ = [
     "architecture_of",
     "VersionExists",
     "VersionNotFound",
+    "check_file_name",
     "check_files",
     "check_name",
     "hash_tree",
@@ -171,8 +172,9 @@ class Manifest(BaseModel):
     """``manifest.json`` of one version. Extra fields are kept, so writers may add provenance.
 
     ``files`` maps every other file of the version to its sha256 and ``sizes`` to its size in
-    bytes (the cheap check a node-local cache repeats at each start). A trained version records its
-    ``base``, ``training`` and ``eval``; an imported one (``serving import``) its ``base`` only.
+    bytes (the cheap check a node-local cache repeats at each start); their keys are paths inside
+    the version directory (:func:`check_file_name`). A trained version records its ``base``,
+    ``training`` and ``eval``; an imported one (``serving import``) its ``base`` only.
     """
 
     model_config = ConfigDict(extra="allow")
@@ -188,6 +190,13 @@ class Manifest(BaseModel):
     sizes: dict[str, int] = {}
     created_at: datetime
     code_revision: str = "unknown"
+
+    @field_validator("files", "sizes")
+    @classmethod
+    def _file_names(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for name in value:
+            check_file_name(name)
+        return value
 
 
 class Gate(BaseModel):
@@ -223,6 +232,19 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
+def check_file_name(name: str) -> str:
+    """A version's file names become paths under its directory, on the store and in a node's
+    cache: relative POSIX paths without an empty, ``.`` or ``..`` segment, without a backslash, and
+    not the manifest. Object stores accept keys such as ``v1/../../x``; such a name is refused."""
+    segments = name.split("/")
+    if name == MANIFEST or "\\" in name or any(seg in ("", ".", "..") for seg in segments):
+        raise ValueError(
+            f"invalid file name {name!r}: a file of a version is a relative POSIX path inside it "
+            f"(no '..', '.' or empty segment, no leading '/', no backslash, not {MANIFEST})"
+        )
+    return name
+
+
 def architecture_of(directory: str | Path) -> str | None:
     """The first of ``architectures`` in a Hugging Face folder's ``config.json``, if any."""
     try:
@@ -246,11 +268,21 @@ def sha256_file(path: str | Path) -> str:
 
 
 def hash_tree(directory: str | Path) -> dict[str, str]:
-    """``{relative posix path: sha256}`` of every file under a local directory but the manifest."""
+    """``{relative posix path: sha256}`` of every file under a local directory but the manifest.
+
+    A symlink to a file counts as that file (publishing copies its bytes). A symlinked folder or a
+    dangling symlink raises ``ValueError``: neither is a file that could be hashed and copied, and
+    leaving it out would publish a version without it.
+    """
     base = Path(directory)
+    paths = sorted(base.rglob("*"))
+    for p in paths:
+        if p.is_symlink() and not p.is_file():
+            kind = "a symlinked folder" if p.is_dir() else "a dangling symlink"
+            raise ValueError(f"{p} is {kind} (to {os.readlink(p)}); copy what it points to instead")
     return {
         p.relative_to(base).as_posix(): sha256_file(p)
-        for p in sorted(base.rglob("*"))
+        for p in paths
         if p.is_file() and p.relative_to(base).as_posix() != MANIFEST
     }
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import fsspec
 import pytest
+from pydantic import ValidationError
 
 from serving.registry import (
     BelowEvalGate,
@@ -195,6 +197,31 @@ def test_invalid_names_are_rejected(store: CheckpointStore, tmp_path: Path) -> N
             store.publish(src, fields("adder", bad))
     with pytest.raises(ValueError, match="invalid model name"):
         store.list_versions("../x")
+
+
+@pytest.mark.parametrize("bad", ["../x", "/x", "a//b", "a/./b", "a/..", "manifest.json", "a\\b", ""])
+def test_manifest_file_names_are_paths_inside_the_version(bad: str) -> None:
+    body = {"model": "adder", "version": "v1", "created_at": "2026-12-01T00:00:00Z"}
+    ok = {"config.json": "0" * 64, "tokenizer/tokenizer.json": "1" * 64, ".gitattributes": "2" * 64}
+    assert set(Manifest.model_validate({**body, "files": ok}).files) == set(ok)
+    for field, value in [("files", "0" * 64), ("sizes", 1)]:
+        with pytest.raises(ValidationError, match=f"invalid file name {re.escape(repr(bad))}"):
+            Manifest.model_validate({**body, "files": {"config.json": "0" * 64}, field: {bad: value}})
+
+
+def test_publish_refuses_symlinked_folders_and_dangling_links(store: CheckpointStore, tmp_path: Path) -> None:
+    """What publish hashes is what it copies: a link it could not copy is refused, not left out."""
+    src = fake_checkpoint(tmp_path / "src")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "extra.json").write_text("{}")
+    (src / "more").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(ValueError, match=r"src/more is a symlinked folder"):
+        store.publish(src, fields("adder", "v1"))
+    (src / "more").unlink()
+    (src / "model-00002.safetensors").symlink_to(tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"src/model-00002.safetensors is a dangling symlink"):
+        store.publish(src, fields("adder", "v1"))
+    assert not store.exists("adder", "v1")
 
 
 def test_local_path(published: CheckpointStore) -> None:
