@@ -2,9 +2,10 @@
 
 A replica resolves its version directory here before it starts vLLM. Hashing every file of a
 large model at every start would cost minutes, so the full check is paid once per node and
-manifest: after it, a *marker* records the manifest's sha256 and each file's size and mtime, and a
-later start only compares those (a ``stat`` per file). The layout under the cache directory
-(``$RAYSTACK_CACHE_DIR``, default ``~/.cache/raystack/checkpoints``)::
+manifest: after it, a *marker* records the manifest's sha256 and each file's size and mtime as
+stat'ed before the hashing (a file that changes while it is hashed is refused), and a later start
+only compares those and the manifest's sizes (a ``stat`` per file). The layout under the cache
+directory (``$RAYSTACK_CACHE_DIR``, default ``~/.cache/raystack/checkpoints``)::
 
     <model>/<version>/<src>-<msha>/                a remote version's verified copy
     <model>/<version>/<src>-<msha>.verified.json   the marker (for a local store: of the files in place)
@@ -16,8 +17,10 @@ manifest (same version name, other bytes) never matches an old marker: it is ver
 
 - **Local store**: files are hashed in place (no copy); the marker says they were whole.
 - **Remote store** (``s3://``, ``memory://``...): the listing is checked against the manifest first
-  (a partial version is refused before any download), the listed files are downloaded into a
-  temporary directory, hashed, and the directory is renamed into place.
+  (a partial version, or an object key that is not a plain path inside the version such as
+  ``v1/../../x``, is refused before any download), the listed files are downloaded into a
+  temporary directory, hashed, and the directory is renamed into place. Temporary directories
+  that a process killed mid-fetch left behind are removed by the next holder of the lock.
 
 Replicas of one version on one node start together: the first takes the lock and fetches, the
 others wait on it and then find the marker, so the download and the hashing happen once. A cached
@@ -44,7 +47,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from serving import registry
-from serving.registry import MANIFEST, TMP_PREFIX, CheckpointStore, Manifest, TamperedVersion, check_files
+from serving.registry import (
+    MANIFEST,
+    TMP_PREFIX,
+    CheckpointStore,
+    Manifest,
+    TamperedVersion,
+    check_file_name,
+    check_files,
+)
 
 __all__ = ["CACHE_ENV", "Resolved", "VerifiedCache", "default_cache_dir", "split_version_uri"]
 
@@ -95,24 +106,27 @@ def _tree(directory: Path) -> dict[str, os.stat_result]:
     return out
 
 
+def _same_file(a: os.stat_result | None, b: os.stat_result | None) -> bool:
+    """Whether two stats show the same, unchanged file (a rewrite or a replacement changes one)."""
+    if a is None or b is None:
+        return a is b
+    return (a.st_size, a.st_mtime_ns, a.st_ino, a.st_ctime_ns) == (b.st_size, b.st_mtime_ns, b.st_ino, b.st_ctime_ns)
+
+
+def _refuse(manifest: Manifest, message: str) -> TamperedVersion:
+    label, ids = f"{manifest.model}@{manifest.version}", {"model": manifest.model, "version": manifest.version}
+    return TamperedVersion(f"{label}: {message}", **ids)
+
+
 def _check_sizes(manifest: Manifest, sizes: dict[str, int]) -> None:
     """Refuse a version whose files miss or differ in size from the manifest's ``sizes`` (when it
     records them): a truncated or partial upload fails here, before anything is hashed."""
-    label = f"{manifest.model}@{manifest.version}"
     for rel, want in sorted(manifest.sizes.items()):
         got = sizes.get(rel)
         if got is None:
-            raise TamperedVersion(
-                f"{label}: file {rel} is listed in the manifest but missing",
-                model=manifest.model,
-                version=manifest.version,
-            )
+            raise _refuse(manifest, f"file {rel} is listed in the manifest but missing")
         if got != want:
-            raise TamperedVersion(
-                f"{label}: file {rel} is {got} bytes, the manifest says {want}",
-                model=manifest.model,
-                version=manifest.version,
-            )
+            raise _refuse(manifest, f"file {rel} is {got} bytes, the manifest says {want}")
 
 
 @contextmanager
@@ -162,19 +176,19 @@ class VerifiedCache:
             if self._cheap_ok(marker, target, manifest, digest):  # another replica just did it
                 return done("cached", 0)
             if store.is_local:
-                self._verify_dir(manifest, target)
+                stats = self._verify_dir(manifest, target)
                 action: Literal["verified", "downloaded"] = "verified"
             else:
-                self._download(store, manifest, raw, slot)
+                stats = self._download(store, manifest, raw, slot)
                 action = "downloaded"
-            self._write_marker(marker, target, manifest, digest, source)
+            self._write_marker(marker, stats, manifest, digest, source)
         logger.info("%s@%s %s: %d files hashed from %s", model, version, action, len(manifest.files), source)
         return done(action, len(manifest.files))
 
     @staticmethod
     def _cheap_ok(marker: Path, target: Path, manifest: Manifest, digest: str) -> bool:
         """The marker is for this manifest and every file still has its recorded size and mtime
-        (and no file was added or removed)."""
+        and the manifest's size (and no file was added or removed)."""
         try:
             data: dict[str, Any] = json.loads(marker.read_text())
         except (OSError, ValueError):
@@ -193,40 +207,74 @@ class VerifiedCache:
             if (st.st_size, st.st_mtime_ns) != (recorded[rel]["size"], recorded[rel]["mtime_ns"]):
                 logger.warning("%s: file %s changed since it was verified; checking again", target, rel)
                 return False
+            if st.st_size != manifest.sizes.get(rel, st.st_size):
+                logger.warning("%s: file %s differs in size from the manifest; checking again", target, rel)
+                return False
         return True
 
     @staticmethod
-    def _verify_dir(manifest: Manifest, directory: Path) -> None:
+    def _verify_dir(manifest: Manifest, directory: Path) -> dict[str, os.stat_result]:
+        """Hash ``directory``'s files against the manifest; returns their stats from before the
+        hashing, which the marker records, so a file that changed meanwhile is refused here."""
         stats = _tree(directory)
         _check_sizes(manifest, {rel: st.st_size for rel, st in stats.items()})
         check_files(manifest, set(stats), lambda rel: registry.sha256_file(directory / rel))
+        after = _tree(directory)
+        changed = sorted(rel for rel in stats.keys() | after.keys() if not _same_file(stats.get(rel), after.get(rel)))
+        if changed:
+            raise _refuse(manifest, f"file {changed[0]} changed while it was hashed")
+        return stats
 
     @staticmethod
-    def _download(store: CheckpointStore, manifest: Manifest, raw: bytes, slot: Path) -> None:
+    def _listing(store: CheckpointStore, manifest: Manifest, src: str) -> dict[str, int]:
+        """``{relative path: size}`` of the remote version directory ``src`` but the manifest;
+        refused if a key is not a plain relative path (object stores accept ``v1/../../x``)."""
+        listing: dict[str, int] = {}
+        for name, info in store.fs.find(src, detail=True).items():
+            rel = str(name)[len(src) :].removeprefix("/")
+            if rel == MANIFEST:
+                continue
+            try:
+                check_file_name(rel)
+            except ValueError as exc:
+                raise _refuse(manifest, f"the store lists {exc}") from None
+            listing[rel] = int(info.get("size") or 0)
+        return listing
+
+    @staticmethod
+    def _download(store: CheckpointStore, manifest: Manifest, raw: bytes, slot: Path) -> dict[str, os.stat_result]:
+        """Fetch, hash and rename the version into ``slot``; returns the stats of its files. The
+        caller holds the slot's lock, so a ``.tmp-<slot>-*`` directory here is a dead holder's."""
+        for stale in slot.parent.glob(f"{TMP_PREFIX}{slot.name}-*"):
+            logger.warning("%s: removing a partial download left by a process that died", stale)
+            shutil.rmtree(stale, ignore_errors=True)
         src = store.version_path(manifest.model, manifest.version)
-        listing = {
-            str(name)[len(src) :].lstrip("/"): int(info.get("size") or 0)
-            for name, info in store.fs.find(src, detail=True).items()
-        }
-        listing.pop(MANIFEST, None)
+        listing = VerifiedCache._listing(store, manifest, src)
         _check_sizes(manifest, listing)
         check_files(manifest, set(listing), lambda rel: manifest.files[rel])  # presence only, yet
         tmp = slot.parent / f"{TMP_PREFIX}{slot.name}-{secrets.token_hex(4)}"
+        root = tmp.resolve()
         try:
             for rel in manifest.files:
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                store.fs.get_file(f"{src}/{rel}", str(tmp / rel))
+                dest = tmp / rel
+                if not dest.resolve().is_relative_to(root):  # the names were checked: a second guard
+                    raise _refuse(manifest, f"file {rel} would be written outside {tmp}")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                store.fs.get_file(f"{src}/{rel}", str(dest))
             (tmp / MANIFEST).write_bytes(raw)  # the bytes whose hash keys this copy
-            VerifiedCache._verify_dir(manifest, tmp)
+            stats = VerifiedCache._verify_dir(manifest, tmp)
             if slot.exists():  # a copy that failed the cheap check: replaced
                 shutil.rmtree(slot)
-            os.rename(tmp, slot)
+            os.rename(tmp, slot)  # the files keep their size and mtime
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        return stats
 
     @staticmethod
-    def _write_marker(marker: Path, target: Path, manifest: Manifest, digest: str, source: str) -> None:
-        files = {rel: {"size": st.st_size, "mtime_ns": st.st_mtime_ns} for rel, st in _tree(target).items()}
+    def _write_marker(
+        marker: Path, stats: dict[str, os.stat_result], manifest: Manifest, digest: str, source: str
+    ) -> None:
+        files = {rel: {"size": st.st_size, "mtime_ns": st.st_mtime_ns} for rel, st in stats.items()}
         body = {
             "format": MARKER_FORMAT,
             "model": manifest.model,

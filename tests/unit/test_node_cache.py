@@ -6,9 +6,12 @@ the back of the s3fs instance the store uses, so a stale listing cache would sho
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,7 @@ import pytest
 
 from serving import registry
 from serving.node_cache import VerifiedCache, split_version_uri
-from serving.registry import CheckpointStore, IncompleteVersion, TamperedVersion
+from serving.registry import CheckpointStore, IncompleteVersion, RegistryError, TamperedVersion
 from tests.unit.test_registry import fake_checkpoint, fields
 
 
@@ -39,6 +42,14 @@ def s3_store(s3_bucket: str, tmp_path: Path) -> CheckpointStore:
     store = CheckpointStore(f"s3://{s3_bucket}/store")
     store.publish(fake_checkpoint(tmp_path / "src"), fields("adder", "v1"))
     return store
+
+
+@pytest.fixture
+def memory_store(tmp_path: Path) -> Iterator[CheckpointStore]:
+    store = CheckpointStore(f"memory://node-cache-{tmp_path.name}")
+    store.publish(fake_checkpoint(tmp_path / "src"), fields("adder", "v1"))
+    yield store
+    store.fs.rm(store.root, recursive=True)
 
 
 def _boto() -> Any:
@@ -169,6 +180,81 @@ def test_local_store_verified_in_place_once(tmp_path: Path, hashes: list[str]) -
     weights.write_bytes(weights.read_bytes() + b"x")  # a changed size: hashed again, refused
     with pytest.raises(TamperedVersion, match="adder@v1: file model.safetensors is 901 bytes, the manifest says 900"):
         cache.resolve(store, "adder", "v1")
+
+
+def test_object_key_outside_the_version_never_leaves_the_cache(memory_store: CheckpointStore, tmp_path: Path) -> None:
+    """Object stores accept ``v1/../../../../escaped.py``: listed in the manifest with its true
+    sha256 and size, it would be written four levels above the download, outside the cache."""
+    path = memory_store.version_path("adder", "v1")
+    evil = b"import os  # runs wherever it lands\n"
+    memory_store.fs.pipe_file(f"{path}/../../../../escaped.py", evil)
+    good = memory_store.fs.cat_file(f"{path}/manifest.json")
+    raw = json.loads(good)
+    raw["files"]["../../../../escaped.py"] = hashlib.sha256(evil).hexdigest()
+    raw["sizes"]["../../../../escaped.py"] = len(evil)
+    memory_store.fs.pipe_file(f"{path}/manifest.json", json.dumps(raw).encode())
+    cache = VerifiedCache(tmp_path / "cache")
+    named = re.escape("invalid file name '../../../../escaped.py'")
+    with pytest.raises(RegistryError, match=named):
+        cache.resolve(memory_store, "adder", "v1")
+    with pytest.raises(RegistryError, match=named):
+        memory_store.verify("adder", "v1")
+    # the manifest restored, the object is still listed: refused before anything is fetched
+    memory_store.fs.pipe_file(f"{path}/manifest.json", good)
+    with pytest.raises(TamperedVersion, match=f"adder@v1: the store lists {named}"):
+        cache.resolve(memory_store, "adder", "v1")
+    assert not list(tmp_path.rglob("escaped.py")) and _leftovers(tmp_path / "cache") == []
+
+
+def test_file_replaced_while_hashed_is_not_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local store on a shared volume: the weights are rewritten (same size) right after they
+    were hashed. The marker must not vouch for the new bytes."""
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.publish(fake_checkpoint(tmp_path / "src"), fields("adder", "v1"))
+    real = registry.sha256_file
+
+    def hash_then_replace(path: str | Path) -> str:
+        digest = real(path)
+        if Path(path).name == "model.safetensors":
+            st = Path(path).stat()
+            Path(path).write_bytes(b"\xffevil\xff!!!" * 100)  # 900 bytes, like the weights
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        return digest
+
+    monkeypatch.setattr(registry, "sha256_file", hash_then_replace)
+    cache = VerifiedCache(tmp_path / "cache")
+    with pytest.raises(TamperedVersion, match="adder@v1: file model.safetensors changed while it was hashed"):
+        cache.resolve(store, "adder", "v1")
+    monkeypatch.setattr(registry, "sha256_file", real)
+    with pytest.raises(TamperedVersion, match="file model.safetensors does not match its sha256"):
+        cache.resolve(store, "adder", "v1")
+
+
+def test_marker_is_not_trusted_for_a_size_other_than_the_manifests(tmp_path: Path) -> None:
+    """A marker that records a file the manifest does not describe (as one written from stats taken
+    after the hashing could) sends the file back to the full check."""
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.publish(fake_checkpoint(tmp_path / "src"), fields("adder", "v1"))
+    cache = VerifiedCache(tmp_path / "cache")
+    weights = Path(cache.resolve(store, "adder", "v1").path) / "model.safetensors"
+    weights.write_bytes(b"\xff" * 10)
+    (marker,) = (tmp_path / "cache").rglob("*.verified.json")
+    body = json.loads(marker.read_text())
+    body["files"]["model.safetensors"] = {"size": 10, "mtime_ns": weights.stat().st_mtime_ns}
+    marker.write_text(json.dumps(body))
+    with pytest.raises(TamperedVersion, match="file model.safetensors is 10 bytes, the manifest says 900"):
+        cache.resolve(store, "adder", "v1")
+
+
+def test_partial_download_of_a_dead_process_is_removed(memory_store: CheckpointStore, tmp_path: Path) -> None:
+    cache = VerifiedCache(tmp_path / "cache")
+    copy = Path(cache.resolve(memory_store, "adder", "v1").path)
+    stale = copy.parent / f".tmp-{copy.name}-dead0001"  # a replica killed mid-fetch
+    (stale / "tokenizer").mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"\x00weights")
+    (copy / "model.safetensors").write_bytes(b"\xff" * 10)  # fails the cheap check: fetched again
+    assert cache.resolve(memory_store, "adder", "v1").action == "downloaded"
+    assert not stale.exists() and _leftovers(tmp_path / "cache") == [f"{copy.name}.verified.json"]
 
 
 def test_local_store_without_manifest_refused(tmp_path: Path) -> None:
