@@ -6,10 +6,17 @@ published like a trained version (:meth:`CheckpointStore.publish`: sha256 and si
 ``architecture`` from ``config.json``, the manifest last), with ``base`` saying where it came from
 and no ``eval``. Hidden entries (``.git``, ``.cache``) are left out. A version that exists is
 refused before anything is downloaded: versions are immutable.
+
+A symlink in the folder is imported as the file it points to when that file is inside the folder,
+or, for a Hugging Face cache snapshot (``<repo>/snapshots/<rev>/``, whose files link to
+``<repo>/blobs/``), inside the repo's ``blobs``, or in any hub cache's ``models--*/blobs/`` (where a
+``local_dir`` download's links point). A dangling symlink, a symlink to anything else
+and a symlinked folder are refused, naming the link and where it points.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -44,6 +51,36 @@ def source_kind(source: str) -> Literal["folder", "uri", "hub"]:
 
 def _visible(directory: Path) -> bool:
     return not any(part.startswith(".") for part in directory.parts)
+
+
+def _link_roots(folder: Path) -> list[Path]:
+    """Where the folder's symlinks may point: the folder, and the repo's ``blobs`` when the folder
+    is a Hugging Face cache snapshot (``<repo>/snapshots/<rev>``)."""
+    real = folder.resolve()
+    blobs = real.parent.parent / "blobs"
+    return [real, blobs] if real.parent.name == "snapshots" and blobs.is_dir() else [real]
+
+
+def _hub_blob(target: Path) -> bool:
+    """A file of a Hugging Face hub cache (``models--<org>--<name>/blobs/<sha>``), where the
+    symlinks of ``snapshot_download(local_dir=...)`` folders point."""
+    return target.parent.name == "blobs" and target.parent.parent.name.startswith("models--")
+
+
+def _check_links(folder: Path) -> Path:
+    """``folder``, once every visible symlink in it is one the import may follow."""
+    roots = _link_roots(folder)
+    for link in sorted(p for p in folder.rglob("*") if p.is_symlink() and _visible(p.relative_to(folder))):
+        rel = link.relative_to(folder).as_posix()
+        try:
+            target = link.resolve(strict=True)
+        except (OSError, RuntimeError):  # RuntimeError: a symlink loop
+            raise ImportFailed(f"{folder}: {rel} is a dangling symlink (to {os.readlink(link)})") from None
+        if target.is_dir():
+            raise ImportFailed(f"{folder}: {rel} is a symlinked folder (to {target}); copy the folder in instead")
+        if not any(target.is_relative_to(root) for root in roots) and not _hub_blob(target):
+            raise ImportFailed(f"{folder}: {rel} points outside the folder, to {target}")
+    return folder
 
 
 def _stage(folder: Path, into: Path) -> Path:
@@ -94,13 +131,13 @@ def import_model(
     kind = source_kind(source)
     with tempfile.TemporaryDirectory(prefix="raystack-import-") as tmp:
         if kind == "folder":
-            folder = _stage(Path(source), Path(tmp) / "staged")
+            folder = _stage(_check_links(Path(source)), Path(tmp) / "staged")
         elif kind == "uri":
             log(f"downloading {source} ...")
             folder = _fetch_uri(source, Path(tmp) / "staged")
         else:
             log(f"downloading {source} from the Hugging Face hub ...")
-            folder = _fetch_hub(source, Path(tmp) / "hub")
+            folder = _check_links(_fetch_hub(source, Path(tmp) / "hub"))
         if not (folder / "config.json").is_file():
             raise ImportFailed(f"{source}: not a Hugging Face model folder (no config.json)")
         ref = str(Path(source).resolve()) if kind == "folder" else source

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,67 @@ def test_hub_without_network_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyP
         import_model("meta-llama/Llama-3.1-8B", store, "llama-8b", "v1", log=lambda _: None)
     with pytest.raises(ImportFailed, match="no such folder"):
         source_kind(str(tmp_path / "missing"))
+
+
+def _folder_with(tmp_path: Path, link: str, target: Path) -> Path:
+    src = tmp_path / "llama"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (src / link).symlink_to(target)
+    return src
+
+
+def test_dangling_symlink_refused(tmp_path: Path) -> None:
+    src = _folder_with(tmp_path, "model.safetensors", tmp_path / "gone" / "model.safetensors")
+    store = CheckpointStore(str(tmp_path / "store"))
+    with pytest.raises(ImportFailed, match=r"model.safetensors is a dangling symlink \(to .*gone/model.safetensors\)"):
+        import_model(str(src), store, "llama", "v1", log=lambda _: None)
+    assert not store.exists("llama", "v1")
+
+
+def test_symlink_outside_the_folder_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "home" / "id_rsa"
+    secret.parent.mkdir()
+    secret.write_text("not weights")
+    src = _folder_with(tmp_path, "model.safetensors", secret)
+    store = CheckpointStore(str(tmp_path / "store"))
+    with pytest.raises(ImportFailed, match=f"model.safetensors points outside the folder, to {re.escape(str(secret))}"):
+        import_model(str(src), store, "llama", "v1", log=lambda _: None)
+    (tmp_path / "shards").mkdir()
+    (src / "model.safetensors").unlink()
+    (src / "shards").symlink_to(tmp_path / "shards", target_is_directory=True)
+    with pytest.raises(ImportFailed, match="shards is a symlinked folder"):
+        import_model(str(src), store, "llama", "v1", log=lambda _: None)
+    assert not store.exists("llama", "v1")
+
+
+def test_a_local_dir_download_linking_into_a_hub_cache_imports(tmp_path: Path) -> None:
+    """``snapshot_download(local_dir=...)`` folders may link into the hub cache's blobs."""
+    blobs = tmp_path / "hf" / "models--org--llama" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / "abc").write_bytes(b"weights")
+    src = _folder_with(tmp_path, "model.safetensors", blobs / "abc")
+    store = CheckpointStore(str(tmp_path / "store"))
+    manifest = import_model(str(src), store, "llama", "v1", log=lambda _: None)
+    assert "model.safetensors" in manifest.files
+
+
+def test_hf_cache_snapshot_imports_its_blobs(tmp_path: Path) -> None:
+    """The hub cache's layout (what ``snapshot_download`` leaves): the snapshot's files link into
+    the repo's ``blobs``; the store gets their bytes."""
+    repo = tmp_path / "hub" / "models--org--llama"
+    blobs = fake_checkpoint(tmp_path / "files")
+    (blobs / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "abc123"
+    (snapshot / "tokenizer").mkdir(parents=True)
+    for i, rel in enumerate(["config.json", "model.safetensors", "tokenizer/tokenizer.json", ".gitattributes"]):
+        (repo / "blobs" / f"blob{i}").write_bytes((blobs / rel).read_bytes() if (blobs / rel).exists() else b"*")
+        (snapshot / rel).symlink_to(Path("../" * (rel.count("/") + 2)) / "blobs" / f"blob{i}")
+    store = CheckpointStore(str(tmp_path / "store"))
+    manifest = import_model(str(snapshot), store, "llama", "v1", log=lambda _: None)
+    assert sorted(manifest.files) == ["config.json", "model.safetensors", "tokenizer/tokenizer.json"]
+    assert manifest.architecture == "LlamaForCausalLM" and manifest.sizes["model.safetensors"] == 900
+    published = Path(store.version_path("llama", "v1")) / "model.safetensors"
+    assert not published.is_symlink() and published.read_bytes() == (blobs / "model.safetensors").read_bytes()
+    assert store.verify("llama", "v1") == manifest
