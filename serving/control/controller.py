@@ -29,6 +29,7 @@ weight 0, serving only those adapters, and it is removed once no live adapter ve
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import time
@@ -80,6 +81,10 @@ def with_live(cfg: StackConfig, live: dict[str, list[tuple[str, int]]]) -> Stack
     return StackConfig.model_validate({**cfg.model_dump(), "models": models})
 
 
+class LockLost(Exception):
+    """Another controller took the lock while this one was busy: it stops writing at once."""
+
+
 class Controller:
     """See the module docstring. ``seed`` is the stack config as written (YAML)."""
 
@@ -120,6 +125,14 @@ class Controller:
 
     def tick(self) -> str:
         """One pass; returns ``active`` or ``standby`` (another controller holds the lock)."""
+        try:
+            return self._tick()
+        except LockLost as exc:
+            log.warning("%s; standing by", exc)
+            self._active = False
+            return "standby"
+
+    def _tick(self) -> str:
         if not self.lock.acquire():
             self._active = False
             return "standby"
@@ -134,6 +147,8 @@ class Controller:
         for m in self.current().models:
             try:
                 self._tick_model(m)
+            except LockLost:
+                raise
             except Exception as exc:  # one model's trouble must not stop the others' promotions
                 log.exception("promotion tick of %s failed: %s", m.name, exc)
         self._prune_bases()
@@ -191,7 +206,11 @@ class Controller:
         request = self.control.take_request(m.name)
         rec = self.control.active(m.name)
         if request is not None:
-            rec = self._handle(m, request, rec)
+            try:
+                rec = self._handle(m, request, rec)
+            except LockLost:  # the controller that took over handles it
+                self.control.submit(m.name, request)
+                raise
         elif rec is None and m.promotion.mode == "auto":
             candidate = self._candidate(m)
             if candidate:
@@ -247,17 +266,23 @@ class Controller:
             why = f"{m.name}@{version} was trained on {m.base}@{trained_on}, which is not served ({served})"
             raise RegistryError(why)
 
-    def _start(self, m: ModelConfig, version: str, source: str, overrides: dict[str, Any]) -> PromotionRecord:
+    def _start(self, m: ModelConfig, version: str, source: str, overrides: dict[str, Any]) -> PromotionRecord | None:
         now, live = self.clock(), m.live_version
         policy = PromotionPolicy.model_validate({**m.promotion.model_dump(), **overrides})
         if m.version(version) is not None:
             return self._refuse(m, version, f"{m.name}@{version} is already deployed")
         try:
-            manifest = self.store.verify(m.name, version, m.gate)
+            manifest = self._verified(m, version)
             if m.base is not None:
                 self._check_base(m, version)
-        except RegistryError as exc:
-            rec = self._refuse(m, version, f"refused: {exc}")
+        except (RegistryError, OSError) as exc:
+            if isinstance(exc, OSError) and source == "auto":  # the store may answer next poll: not "tried"
+                log.warning("%s@%s could not be read from the store (%s); trying again next poll", m.name, version, exc)
+                return None
+            why = (
+                f"refused: {exc}" if isinstance(exc, RegistryError) else f"refused: the store could not be read: {exc}"
+            )
+            rec = self._refuse(m, version, why)
             rec.source = "auto" if source == "auto" else "manual"
             self.control.save(rec)
             return rec
@@ -270,6 +295,22 @@ class Controller:
         scores = {k: v for k, v in (manifest.eval.metrics.items() if manifest.eval else [])}
         self._step(rec, "deploy", {live: 100, version: 0}, scores, f"verified {len(manifest.files)} files")
         return rec
+
+    def _verified(self, m: ModelConfig, version: str) -> Manifest:
+        """``store.verify`` (every file hashed: minutes for a large model on a remote store) in a
+        thread, while this controller keeps renewing its lock so that a standby does not take over
+        meanwhile. A lock lost anyway raises :class:`LockLost`: nothing is recorded then."""
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify")
+        try:
+            job = pool.submit(self.store.verify, m.name, version, m.gate)
+            while True:
+                try:
+                    return job.result(timeout=max(0.05, self.lock.ttl_s / 3))
+                except concurrent.futures.TimeoutError:
+                    if not self.lock.acquire():
+                        raise LockLost(f"lost the controller lock while verifying {m.name}@{version}") from None
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _step(self, rec: PromotionRecord, phase: str, weights: dict[str, int], fig: dict[str, Any], note: str) -> None:
         """Record a step (the record, then ``live.json``), then apply it."""

@@ -4,6 +4,7 @@ clock (the real flow, on a running stack, is in tests/e2e/test_promotion.py)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -304,3 +305,83 @@ def test_the_lock_keeps_a_second_controller_in_standby(env: Any) -> None:
     assert a.tick() == "active" and b.tick() == "standby"  # renewed
     clock.t += 31  # blue stopped renewing: its lease expired
     assert b.tick() == "active" and a.tick() == "standby"
+
+
+def test_a_long_verification_keeps_the_lock_and_a_controller_that_loses_it_writes_nothing(env: Any) -> None:
+    """Hashing a large version takes longer than the lock's TTL: the controller renews its lock
+    meanwhile; if another one takes the lock anyway, the first records nothing and hands the
+    request over."""
+    tmp, clock, cluster = env
+    a = _controller(tmp, _cfg("manual"), clock, cluster, holder="blue")
+    a.lock.ttl_s = 0.3  # renewed every 0.1 s of real time while it verifies
+    assert a.tick() == "active"
+    _publish(tmp / "ck", "calc", "v2")
+    renewals: list[float] = []
+    acquire, verify = a.lock.acquire, a.store.verify
+
+    def counting() -> bool:
+        renewals.append(clock.t)
+        return acquire()
+
+    def slow(*args: Any) -> Manifest:
+        time.sleep(0.45)
+        return verify(*args)
+
+    a.lock.acquire = counting  # type: ignore[method-assign]
+    a.store.verify = slow  # type: ignore[method-assign]
+    a.control.submit("calc", PromotionRequest(action="promote", version="v2", at=0))
+    assert a.tick() == "active"
+    assert len(renewals) >= 3  # the tick's own, and at least two while hashing
+    assert a.control.history("calc")[0].steps[0].phase == "deploy"
+
+    # another controller takes the lock while the first one hashes v3: no record, request kept
+    _publish(tmp / "ck", "calc", "v3")
+    b = _controller(tmp, _cfg("manual"), clock, Cluster(clock), holder="green")
+
+    def taken(*args: Any) -> Manifest:
+        clock.t += 1  # the lock expired...
+        assert b.tick() == "active"  # ...and green took it
+        time.sleep(0.3)
+        return verify(*args)
+
+    a.store.verify = taken  # type: ignore[method-assign]
+    a.control.submit("calc", PromotionRequest(action="abort", at=0))
+    a.tick()  # the abort ends v2's promotion
+    a.control.submit("calc", PromotionRequest(action="promote", version="v3", at=0))
+    assert a.tick() == "standby"
+    assert [r.version for r in a.control.history("calc")] == ["v2"]  # nothing about v3 written
+    pending = a.control.pending_request("calc")
+    assert pending is not None and pending.version == "v3"  # for green to handle
+
+
+def test_a_store_that_cannot_be_read_refuses_a_manual_promotion_and_retries_an_auto_one(env: Any) -> None:
+    tmp, clock, cluster = env
+    ctl = _controller(tmp, _cfg("auto"), clock, cluster)
+    _publish(tmp / "ck", "calc", "v2")
+    verify = ctl.store.verify
+    calls: list[str] = []
+
+    def unreadable(*args: Any) -> Manifest:
+        calls.append(args[1])
+        if len(calls) < 3:
+            raise PermissionError("403 Forbidden")
+        return verify(*args)
+
+    ctl.store.verify = unreadable  # type: ignore[method-assign]
+    _run(ctl, clock, 2)
+    assert calls == ["v2", "v2"] and ctl.control.history("calc") == []  # not "tried": retried
+    ctl.tick()
+    assert ctl.control.history("calc")[0].steps[0].phase == "deploy"
+
+    (tmp / "m" / "ck").mkdir(parents=True)
+    manual = _controller(tmp / "m", _cfg("manual"), clock, Cluster(clock))
+    _publish(tmp / "m" / "ck", "calc", "v2")
+
+    def forbidden(*args: Any) -> Manifest:
+        raise PermissionError("403 Forbidden")
+
+    manual.store.verify = forbidden  # type: ignore[method-assign]
+    manual.control.submit("calc", PromotionRequest(action="promote", version="v2", at=0))
+    manual.tick()
+    (rec,) = manual.control.history("calc")
+    assert rec.status == "refused" and "the store could not be read: 403 Forbidden" in rec.reason
