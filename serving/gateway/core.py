@@ -39,6 +39,7 @@ __all__ = ["NO_PROMPT", "Exchange", "GatewayCore"]
 
 # tokenize and detokenize need only a model's tokenizer, which a pooling model has too
 TOKENIZER_KINDS = frozenset({"tokenize", "detokenize"})
+KV_INLINE_BYTES = 32_768  # router kv_aware: a larger body is tokenized off the event loop
 NO_PROMPT = "\x00"  # the prefix-affinity hint of a request with no leading text
 
 
@@ -265,7 +266,12 @@ class GatewayCore:
         exchange: Exchange | None = None
         try:  # whatever fails from here on settles the ticket, and the exchange once there is one
             self._shed(model, tenant)
-            hint = self.hint_for(resolved, parsed, session_id)
+            if resolved.model.router == "kv_aware" and len(parsed.raw) > KV_INLINE_BYTES:
+                # tokenizing a long prompt takes a while (1 MB: ~0.8 s); every stream waits if it
+                # runs on the event loop
+                hint = await asyncio.to_thread(self.hint_for, resolved, parsed, session_id)
+            else:
+                hint = self.hint_for(resolved, parsed, session_id)
             app, timeout = resolved.version.app, resolved.model.cold_start_timeout_s
             limit = resolved.model.max_ongoing_requests
             loaded_first = resolved.model.adapter_routing == "loaded_first"

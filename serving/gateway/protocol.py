@@ -52,6 +52,9 @@ class Forwardable(Protocol):
     def body(self) -> dict[str, Any]: ...
 
     @property
+    def raw(self) -> bytes: ...
+
+    @property
     def model(self) -> str | None: ...
 
     @property

@@ -231,3 +231,47 @@ async def _until(cond: object, timeout_s: float = 10.0) -> None:
     while not cond():  # type: ignore[operator]
         assert loop.time() < deadline, "condition not reached"
         await asyncio.sleep(0.05)
+
+
+async def test_a_long_prompt_is_tokenized_for_routing_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokenizing a 1 MB prompt takes about 0.8 s: on the event loop every stream of the gateway
+    replica would wait that long. Bodies over KV_INLINE_BYTES are tokenized in a thread."""
+    import threading
+
+    from aiohttp import web
+
+    from loadtests.relay import OneReplica
+    from serving.config import GatewayConfig
+    from serving.contract import LeaseHint
+    from serving.control.serve_config import routing_user_config
+    from serving.gateway.core import KV_INLINE_BYTES, GatewayCore
+    from serving.gateway.routes import create_api
+    from tests.support.loopback import http_replica
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"index": 0, "text": "2"}], "usage": {"prompt_tokens": 1}})
+
+    stack = {
+        "auth": {"mode": "open"},
+        "models": [{"name": "m", "versions": [{"version": "v1"}], "deployment": {"router": "kv_aware"}}],
+    }
+    threads: list[str] = []
+    async with http_replica(answer) as url:
+        core = GatewayCore(GatewayConfig(), OneReplica(url))
+        core.reconfigure(routing_user_config(parse_config(stack)))
+
+        def hint_for(*args: object) -> LeaseHint:
+            threads.append(threading.current_thread().name)
+            return LeaseHint()
+
+        monkeypatch.setattr(core, "hint_for", hint_for)
+        transport = httpx.ASGITransport(app=create_api(core))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=20) as c:
+                for prompt in ("1+1=", "x" * KV_INLINE_BYTES):
+                    r = await c.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1})
+                    assert r.status_code == 200
+        finally:
+            await core.aclose()
+    main = threading.current_thread().name
+    assert threads[0] == main and threads[1] != main
