@@ -43,9 +43,16 @@ def _env_of(overlay: str) -> str:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_the_serving_cluster_uses_ray_token_auth(overlay: str) -> None:
+def test_every_ray_cluster_uses_ray_token_auth(overlay: str) -> None:
+    """The serving cluster and the training job's: without it the job API accepts anyone who
+    reaches the head (NetworkPolicy is not enforced by every network plugin)."""
     (rs,) = of_kind(overlay, "RayService")
-    assert rs["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+    (job,) = of_kind(overlay, "RayJob")
+    for o in (rs, job):
+        assert cluster_spec(o)["authOptions"] == {"mode": "token"}, o["kind"]
+        for where, _, g in ray_groups(o):
+            for c in g["template"]["spec"]["containers"]:
+                assert not any(e["name"] == "RAY_AUTH_MODE" for e in c.get("env", [])), where
 
 
 @pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("gpu-prod")])
