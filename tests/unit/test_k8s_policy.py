@@ -678,6 +678,9 @@ def test_optional_components_open_only_what_they_need(overlay: str) -> None:
     redis, redis_ns = {"app": "redis"}, {"kubernetes.io/metadata.name": "raystack-redis"}
     ft = "gcsFaultToleranceOptions" in rs["spec"]["rayClusterConfig"]
     assert allowed(policies, "Egress", serving["head"], redis, redis_ns, 6379) is ft
+    cleanup = {**serving["head"], "ray.io/node-type": "redis-cleanup"}  # KubeRay's Redis clean-up Job
+    assert allowed(policies, "Egress", cleanup, redis, redis_ns, 6379) is ft
+    assert not allowed(policies, "Egress", serving["worker"], redis, redis_ns, 6379)  # engines, gateway
     dataplane = {"gateway.networking.k8s.io/gateway-name": "raystack"}
     incremental = rs["spec"]["upgradeStrategy"]["type"] == "NewClusterWithIncrementalUpgrade"
     assert flow(policies, dataplane, serving["worker"], 8000) is incremental
