@@ -3,7 +3,8 @@
 Forms, tried in this order (the first that applies wins)::
 
     init:<family>-<size>      freshly initialised by training.families (tokenizer learnt on the data)
-    <scheme>://...            an fsspec URI of a folder, downloaded to a temporary directory
+    <scheme>://...            an fsspec URI of a folder, downloaded to a temporary directory (recorded
+                              without user info or query string: training.uris.redact_uri)
     an existing local path    a Hugging Face folder (config.json + weights + tokenizer)
     <model>@<version>         a version of the checkpoint store, hash-verified first
     hub:<id> or <org>/<name>  a Hugging Face hub id (snapshot_download)
@@ -16,8 +17,11 @@ who has such a folder means it; a hub id that happens to exist as a folder can b
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
 import re
+import struct
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -27,13 +31,16 @@ from typing import Any, Final
 import fsspec
 
 from serving.registry import MANIFEST, BaseRef, CheckpointStore
+from training.uris import redact_uri
 
-__all__ = ["BaseError", "ResolvedBase", "is_store_ref", "resolve_base"]
+__all__ = ["BaseError", "ResolvedBase", "is_store_ref", "parameter_count", "resolve_base"]
 
 INIT: Final = "init:"
 HUB: Final = "hub:"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _STORE_REF = re.compile(r"^(?P<model>[A-Za-z0-9][A-Za-z0-9._-]*)@(?P<version>[A-Za-z0-9][A-Za-z0-9._-]*)$")
+_PICKLED: Final = (".bin", ".pt", ".pth")
+_HEADER_LIMIT: Final = 100 << 20  # a safetensors header is a few MB of JSON at most
 
 
 class BaseError(ValueError):
@@ -95,15 +102,16 @@ def _mkdir(path: Path) -> Path:
 
 
 def _from_uri(ref: str, workdir: Path) -> ResolvedBase:
-    target = workdir / "base"
+    """Download the folder at ``ref``; the manifest and messages get it without credentials."""
+    target, shown = workdir / "base", redact_uri(ref)
     try:
         fs, path = fsspec.core.url_to_fs(ref)
         if not fs.isdir(path):
-            raise BaseError(f"base {ref}: no such folder")
+            raise FileNotFoundError("no such folder")
         fs.get(path.rstrip("/") + "/", str(target), recursive=True)
-    except (OSError, ValueError, ImportError) as exc:
-        raise BaseError(f"base {ref}: cannot download: {exc}") from None
-    return ResolvedBase(_check_folder(str(target), f"base {ref}"), BaseRef(source="uri", ref=ref))
+    except Exception as exc:  # OSError, ImportError, an HTTP 403 (aiohttp's own type, quoting the URL)...
+        raise BaseError(f"base {shown}: cannot download: {redact_uri(str(exc))}") from None
+    return ResolvedBase(_check_folder(str(target), f"base {shown}"), BaseRef(source="uri", ref=shown))
 
 
 def _from_store(ref: str, store: CheckpointStore) -> ResolvedBase:
@@ -163,3 +171,48 @@ def resolve_base(
     if _HUB_ID.match(ref):
         return _from_hub(ref)
     raise BaseError(f"base {ref!r}: not init:<family>-<size>, a URI, an existing folder, model@version or a hub id")
+
+
+def parameter_count(directory: str) -> int | None:
+    """The parameters of the weights in ``directory``, or ``None`` when its files do not tell.
+
+    ``*.safetensors`` files are counted exactly from their headers (the shape of every tensor,
+    whatever its dtype; no weights are read). Without them, pickled weights (``*.bin``, ``*.pt``,
+    ``*.pth``) are counted from ``*.index.json``'s ``metadata.total_size``, or else their files'
+    sizes, at 2 bytes a parameter (bf16 or fp16, as large checkpoints ship): an fp32 file counts
+    double, which errs towards the smaller step of a larger base.
+    """
+    folder = Path(directory)
+    tensors = sorted(folder.glob("*.safetensors"))
+    if tensors:
+        counts = [_safetensors_params(path) for path in tensors]
+        return None if None in counts else sum(c for c in counts if c is not None)
+    pickled = [p for p in folder.glob("*") if p.suffix in _PICKLED and p.is_file()]
+    if not pickled:
+        return None
+    total = _index_total_size(folder) or sum(p.stat().st_size for p in pickled)
+    return total // 2
+
+
+def _safetensors_params(path: Path) -> int | None:
+    """Elements of every tensor in a safetensors header: 8 bytes (little-endian length), then JSON."""
+    try:
+        with path.open("rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            if length > _HEADER_LIMIT:
+                return None
+            header = json.loads(fh.read(length))
+        return sum(math.prod(int(n) for n in t["shape"]) for name, t in header.items() if name != "__metadata__")
+    except (OSError, ValueError, struct.error, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _index_total_size(folder: Path) -> int | None:
+    for index in sorted(folder.glob("*.index.json")):
+        try:
+            size = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(size, int) and size > 0:
+            return size
+    return None

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
 
 from training.jsonl import Row
 
 __all__ = ["IGNORE", "EncodeError", "Encoded", "EvalItem", "Encoder", "normalise", "stop_ids"]
 
 IGNORE: Final = -100
+T = TypeVar("T")
 logger = logging.getLogger("training")
 
 
@@ -132,14 +133,15 @@ class Encoder:
         return self._chat(row) if row.format == "chat" else self._completion(row)
 
     def encode_all(self, rows: Sequence[Row], what: str) -> list[Encoded]:
-        """Encode ``rows``; rows longer than ``max_length`` are dropped (all of them: an error)."""
+        """Encode ``rows`` of the file ``what`` (which every error names); rows longer than
+        ``max_length`` are dropped (all of them: an error)."""
         out, long = [], []
         for row in rows:
-            enc = self.encode(row)
+            enc = _in_file(what, self.encode, row)
             if len(enc.input_ids) > self.max_length:
                 long.append((row.line, len(enc.input_ids)))
             elif not any(label != IGNORE for label in enc.labels):
-                raise EncodeError(f"{what} line {row.line}: no assistant token left to learn from")
+                raise EncodeError(f"{what}: line {row.line}: no assistant token left to learn from")
             else:
                 out.append(enc)
         self._report_long(long, len(rows), what)
@@ -178,15 +180,24 @@ class Encoder:
         return EvalItem(prompt, normalise(reference), n_ref, encoded, row.kind)
 
     def eval_items(self, rows: Sequence[Row], what: str) -> list[EvalItem]:
+        """:meth:`eval_item` of every row of the file ``what`` (which every error names)."""
         items, long = [], []
         for row in rows:
-            item = self.eval_item(row)
+            item = _in_file(what, self.eval_item, row)
             if len(item.encoded.input_ids) > self.max_length:
                 long.append((row.line, len(item.encoded.input_ids)))
             else:
                 items.append(item)
         self._report_long(long, len(rows), what)
         return items
+
+
+def _in_file(what: str, encode: Callable[[Row], T], row: Row) -> T:
+    """``encode(row)``, its :class:`EncodeError` prefixed with the file the row is from."""
+    try:
+        return encode(row)
+    except EncodeError as exc:
+        raise EncodeError(f"{what}: {exc}") from exc.__cause__
 
 
 def normalise(text: str) -> str:

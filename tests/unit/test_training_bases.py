@@ -64,6 +64,18 @@ def test_uri_is_downloaded(tmp_path: Path) -> None:
         _resolve("memory://bases/missing", tmp_path)
 
 
+def test_uri_is_recorded_without_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/signed/tiny/config.json", b'{"architectures": ["X"]}')
+    store = CheckpointStore(str(tmp_path / "store"))
+    paths = {"https://u:p@h/tiny?sig=s": "/signed/tiny", "https://u:p@h/gone?sig=s": "/signed/gone"}
+    monkeypatch.setattr(fsspec.core, "url_to_fs", lambda ref: (fs, paths[ref]))
+    base = _resolve("https://u:p@h/tiny?sig=s", tmp_path, store)
+    assert base.ref.source == "uri" and base.ref.ref == "https://h/tiny?<redacted>"
+    with pytest.raises(BaseError, match=r"^base https://h/gone\?<redacted>: cannot download: no such folder$"):
+        _resolve("https://u:p@h/gone?sig=s", tmp_path, store)
+
+
 def test_hub_id_offline_error_is_clear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

@@ -116,3 +116,14 @@ def test_rows_longer_than_the_model_are_dropped_or_refused(tokenizer: Any) -> No
     assert len(encoder.encode_all([short] * 20 + [long], "d.jsonl")) == 20
     with pytest.raises(EncodeError, match=r"1 of 1 rows are longer than the model's 64 positions"):
         encoder.encode_all([long], "d.jsonl")
+
+
+def test_errors_name_the_file_and_line(tokenizer: Any) -> None:
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{{ raise_exception('no system role') }}"
+    encoder = Encoder(tok, 512)
+    row = parse_line(CHAT, 3, "t")
+    with pytest.raises(EncodeError, match=r"^train\.jsonl: line 3: the chat template failed: no system role"):
+        encoder.encode_all([row], "train.jsonl")
+    with pytest.raises(EncodeError, match=r"^eval\.jsonl: line 3: the chat template failed"):
+        encoder.eval_items([row], "eval.jsonl")

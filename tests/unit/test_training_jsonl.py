@@ -3,12 +3,16 @@ the seeded holdout and builtin data (no Ray, no model)."""
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
 from pathlib import Path
 
+import fsspec
 import pytest
 
 from training.jsonl import DataError, holdout, load_jsonl, resolve_data
+from training.uris import redact_uri
 
 
 def _write(path: Path, rows: list[object]) -> str:
@@ -83,6 +87,92 @@ def test_fsspec_uri(tmp_path: Path) -> None:
         fh.write(json.dumps(CHAT) + "\n")
     data = load_jsonl("memory://data/t.jsonl")
     assert data.ref.uri == "memory://data/t.jsonl" and data.ref.format == "chat"
+
+
+@pytest.mark.parametrize(
+    ("uri", "shown"),
+    [
+        ("https://user:pass@host/t.jsonl", "https://host/t.jsonl"),
+        (
+            "https://b.s3.amazonaws.com/t.jsonl?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=ff",
+            "https://b.s3.amazonaws.com/t.jsonl?<redacted>",
+        ),
+        ("az://c/t.jsonl?sv=1&sig=abc#part", "az://c/t.jsonl?<redacted>#part"),
+        ("simplecache::https://tok@h:8080/t.jsonl?sig=1", "simplecache::https://h:8080/t.jsonl?<redacted>"),
+        ("s3://bucket/t.jsonl", "s3://bucket/t.jsonl"),
+        ("/data/odd?name.jsonl", "/data/odd?name.jsonl"),  # a local path is never touched
+        ("403 for url=URL('https://u:p@h/t.jsonl?sig=s')", "403 for url=URL('https://h/t.jsonl?<redacted>')"),
+    ],
+)
+def test_redact_uri(uri: str, shown: str) -> None:
+    assert redact_uri(uri) == shown == redact_uri(shown)
+
+
+def test_credentials_in_a_uri_are_never_recorded_or_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [CHAT, COMPLETION, CHAT]
+    files = {
+        "https://u:p@h/x.jsonl?sig=s": "".join(json.dumps(r) + "\n" for r in rows).encode(),
+        "https://u:p@h/bad.jsonl?sig=s": (json.dumps(CHAT) + "\n{not json\n").encode(),
+    }
+
+    class Forbidden(Exception):  # what aiohttp raises for a 403 (not an OSError), quoting the URL
+        pass
+
+    def fake_open(uri: str, mode: str = "rb") -> io.BytesIO:
+        if "expired" in uri:
+            raise Forbidden(f"403, message='Forbidden', url='{uri}'")
+        if uri not in files:
+            raise FileNotFoundError(f"404 Not Found for url: {uri}")
+        return io.BytesIO(files[uri])
+
+    monkeypatch.setattr(fsspec, "open", fake_open)
+    data = load_jsonl("https://u:p@h/x.jsonl?sig=s")
+    assert data.ref.uri == "https://h/x.jsonl?<redacted>" and data.ref.rows == 3
+    assert holdout(data, 0)[1].ref.uri == "https://h/x.jsonl?<redacted>#holdout-0.05-seed0"
+    with pytest.raises(DataError, match=r"^https://h/bad\.jsonl\?<redacted>:2: not valid JSON") as bad:
+        load_jsonl("https://u:p@h/bad.jsonl?sig=s")
+    with pytest.raises(DataError, match=r"^cannot read https://h/gone\.jsonl\?<redacted>: 404") as gone:
+        load_jsonl("https://u:p@h/gone.jsonl?sig=s")
+    with pytest.raises(DataError, match=r"^cannot read https://h/expired\.jsonl\?<redacted>: 403") as expired:
+        load_jsonl("https://u:p@h/expired.jsonl?sig=s")
+    for text in (data.ref.uri, str(bad.value), str(gone.value), str(expired.value)):
+        assert "p@" not in text and "sig" not in text
+
+
+def test_line_separators_inside_strings(tmp_path: Path) -> None:
+    """Only "\\n" ends a line (a CRLF file reads too): U+2028, U+2029 and U+0085 are valid inside
+    JSON strings, and str.splitlines split on them."""
+    rows = [{"prompt": "a\u2028b", "completion": "x\u0085y"}, {"prompt": "p\u2029", "completion": "c"}, COMPLETION]
+    path = tmp_path / "t.jsonl"
+    path.write_bytes("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows).encode() + b"\r\n")
+    data = load_jsonl(str(path))
+    assert [r.line for r in data.rows] == [1, 2, 3]
+    assert data.rows[0].prompt == "a\u2028b" and data.rows[0].completion == "x\u0085y"
+
+
+def test_a_utf8_byte_order_mark_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (COMPLETION, CHAT)), encoding="utf-8-sig")
+    assert [r.line for r in load_jsonl(str(path)).rows] == [1, 2]
+
+
+@pytest.mark.parametrize(("encoding", "line"), [("latin-1", 2), ("utf-16", 1)])
+def test_a_file_that_is_not_utf8_names_file_and_line(tmp_path: Path, encoding: str, line: int) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(
+        "\n".join(
+            [json.dumps(COMPLETION), json.dumps({"prompt": "caf\u00e9", "completion": "1"}, ensure_ascii=False)]
+        ).encode(encoding)
+    )
+    with pytest.raises(DataError, match=f"^{path}:{line}: not UTF-8 .*save it as UTF-8"):
+        load_jsonl(str(path))
+
+
+def test_a_missing_filesystem_package_is_a_data_error() -> None:
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed")
+    with pytest.raises(DataError, match=r"cannot read gs://bucket/t.jsonl: its filesystem is not installed .*gcsfs"):
+        load_jsonl("gs://bucket/t.jsonl")
 
 
 def test_holdout_is_seeded_disjoint_and_recorded(tmp_path: Path) -> None:
