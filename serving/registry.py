@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -201,7 +202,8 @@ class Manifest(BaseModel):
 
 class Gate(BaseModel):
     """A promotion gate: the manifest's ``eval.metrics[metric]`` must reach ``min`` (or stay at or
-    under ``max`` for a loss)."""
+    under ``max`` for a loss). A value that is not a finite number (a run that diverged) fails any
+    gate: ``nan`` compares false with every bound."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -216,6 +218,10 @@ class Gate(BaseModel):
         if value is None:
             raise BelowEvalGate(f"{label}: the manifest records no {self.metric!r} to gate on", **ids)
         n = manifest.eval.n if manifest.eval else 0
+        if not math.isfinite(value):
+            raise BelowEvalGate(
+                f"{label}: {self.metric} is {value} (n={n}), not a finite number: the run diverged", **ids
+            )
         if self.min is not None and value < self.min:
             raise BelowEvalGate(f"{label}: {self.metric} {value:.4f} (n={n}) is below the gate {self.min:.4f}", **ids)
         if self.max is not None and value > self.max:

@@ -15,6 +15,9 @@ Why it looks like this:
 * After the last step all ranks score a shard of the evaluation rows (:mod:`training.evaluate`)
   and rank 0 reports a final checkpoint with the Hugging Face folder (``hf/``) and ``result.json``;
   the folder holds the new weights and the base's own tokenizer files, copied byte for byte.
+* A loss that is no longer a finite number stops the run (on every rank: the value is the mean
+  across ranks) before it is checkpointed: the weights are lost to ``nan`` and a checkpoint of them
+  would only resume the divergence.
 * With ``extra["lora"]`` the base is wrapped in peft adapters (:mod:`training.lora`): only they
   train, checkpoints hold only their weights, and ``hf/`` is the adapter folder vLLM loads.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -45,7 +49,7 @@ from training import lora
 from training.encode import IGNORE
 from training.evaluate import evaluate
 
-__all__ = ["HF_DIR", "RESULT_FILE", "RunSpec", "copy_tokenizer_files", "train_loop_per_worker"]
+__all__ = ["HF_DIR", "RESULT_FILE", "RunSpec", "check_finite", "copy_tokenizer_files", "train_loop_per_worker"]
 
 STATE_FILE = "state.pt"
 RESULT_FILE = "result.json"
@@ -186,6 +190,15 @@ def _mean_across_ranks(value: float) -> float:
     return float(tensor.item())
 
 
+def check_finite(label: str, step: int, loss: float) -> float:
+    """``loss``, unless it is not a finite number: then the run has diverged and stops here."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"[{label}] the training loss is {loss} at step {step}: the run diverged (a lower --lr may help)"
+        )
+    return loss
+
+
 def _setup(spec: RunSpec, world: int) -> tuple[Any, Any, Any]:
     model = AutoModelForCausalLM.from_pretrained(spec.base_dir, dtype=torch.float32)
     if "lora" in spec.extra:
@@ -262,12 +275,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             post = {"step": step, "loss": sum(last) / len(last)}
             spec.board.post.remote(post | {"lr": scheduler.get_last_lr()[0], "eta_s": eta})
         if step % spec.checkpoint_every == 0 and step < spec.steps:
-            loss_value = _mean_across_ranks(sum(window) / len(window))
+            loss_value = check_finite(spec.label, step, _mean_across_ranks(sum(window) / len(window)))
             state = {"step": step, "loss": loss_value, "model": _weights(spec, model)}
             state |= {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
             _report({"step": step, "loss": loss_value}, rank, step, state)
     if window:
-        loss_value = _mean_across_ranks(sum(window) / len(window))
+        loss_value = check_finite(spec.label, spec.steps, _mean_across_ranks(sum(window) / len(window)))
     _finish(spec, model, rank, world, start, loss_value, time.monotonic() - t0)
 
 

@@ -10,14 +10,16 @@ every (re)start, so a resumed run and the published adapter are small whatever t
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LoraOptions", "adapter_state", "load_adapter_state", "save_adapter", "wrap"]
+__all__ = ["LoraOptions", "adapter_state", "check_targets", "load_adapter_state", "save_adapter", "wrap"]
 
 # The projections of the Llama/Qwen2/Mistral decoder layers, which vLLM's LoRA kernels serve.
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+logger = logging.getLogger("training")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,43 @@ def wrap(model: Any, options: dict[str, Any]) -> Any:
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def check_targets(base_dir: str, options: LoraOptions) -> None:
+    """Refuse target names peft would refuse in every worker, or silently skip: one that matches
+    no module of the base (peft matches a module whose name is the target or ends in ``.<target>``),
+    or a module peft cannot adapt (not a linear, embedding or convolution layer).
+
+    The base's modules come from its ``config.json``, built on the meta device: no weights are read.
+    A config transformers cannot build here is left to the workers, whose own load would fail.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
+    except Exception as exc:  # custom code, an unknown model_type...: not this check's to report
+        logger.warning("cannot list the modules of %s to check --lora-targets: %s", base_dir, exc)
+        return
+    nn = torch.nn
+    kinds = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, Conv1D)
+    modules = dict(model.named_modules())
+    problems = []
+    for target in options.target_modules:
+        matched = [name for name in modules if name == target or name.endswith(f".{target}")]
+        bad = [name for name in matched if not isinstance(modules[name], kinds)]
+        if not matched:
+            problems.append(f"{target!r} matches no module")
+        elif bad:
+            problems.append(f"{target!r} matches {bad[0]} ({type(modules[bad[0]]).__name__}), which LoRA cannot adapt")
+    if problems:
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in modules.items() if isinstance(m, kinds)})
+        raise ValueError(
+            f"--lora-targets for the base's {type(model).__name__}: {'; '.join(problems)}. "
+            f"Its adaptable modules are named {', '.join(names)}"
+        )
 
 
 def adapter_state(model: Any) -> dict[str, Any]:

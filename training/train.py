@@ -8,11 +8,13 @@ Usage::
 ``--base`` is ``init:<family>-<size>``, ``model@version`` of the store, a local folder, an fsspec
 URI or a hub id (:mod:`training.bases`); ``--data``/``--eval`` are JSONL files or URIs in OpenAI's
 fine-tuning formats, or ``builtin:<task>`` (:mod:`training.jsonl`). The driver (this module)
-resolves and tokenizes everything once, checks that the version is new, runs ``TorchTrainer``
-(DDP over ``--workers`` ranks, GPUs when the cluster has enough), then publishes the final folder
-through :class:`serving.registry.CheckpointStore` (temp dir, manifest last, rename). Ray Train
-keeps resumable state under ``<root>/<model>/.runs/<version>``: the same command after a crash
-continues from the last checkpoint; the state is removed once the version is published.
+checks the arguments and that the version is new, resolves and tokenizes everything once, runs
+``TorchTrainer`` (DDP over ``--workers`` ranks, GPUs when the cluster has enough), then publishes
+the final folder through :class:`serving.registry.CheckpointStore` (temp dir, manifest last,
+rename), unless its loss or an eval metric is not a finite number. Ray Train keeps resumable
+state under ``<root>/<model>/.runs/<version>``: the same command after a crash continues from the
+last checkpoint; the state is removed once the version is published. A worker's failure ends the
+job with that exception on one line, like every other error.
 """
 
 from __future__ import annotations
@@ -34,12 +36,21 @@ from typing import Any
 
 from serving.config import LOCAL_RAY_LOOPBACK
 from serving.registry import CheckpointStore, RegistryError, architecture_of, check_name
-from training.bases import BaseError, ResolvedBase, is_store_ref, resolve_base
+from training.bases import BaseError, ResolvedBase, is_store_ref, parameter_count, resolve_base
 from training.encode import EncodeError
 from training.jsonl import DataError, Dataset, resolve_data
-from training.lora import LoraOptions
+from training.lora import LoraOptions, check_targets
 
-__all__ = ["DEFAULT_CHECKPOINT_EVERY", "METHODS", "TrainingError", "default_hyperparameters", "main", "parser", "train"]
+__all__ = [
+    "DEFAULT_CHECKPOINT_EVERY",
+    "METHODS",
+    "TrainingError",
+    "default_hyperparameters",
+    "failure_message",
+    "main",
+    "parser",
+    "train",
+]
 
 DEFAULT_CHECKPOINT_EVERY = 200
 METHODS = ("full", "lora")
@@ -70,11 +81,6 @@ def code_revision() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def _weights_params(directory: str) -> int:
-    """Parameter count estimated from the weight files' size (float32 or half, 4 bytes assumed)."""
-    return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors")) // 4
-
-
 def default_hyperparameters(base: ResolvedBase, rows: int, lora: bool = False) -> dict[str, Any]:
     """Defaults that train the project's tiny bases from scratch and stay sane for a real base.
 
@@ -82,11 +88,13 @@ def default_hyperparameters(base: ResolvedBase, rows: int, lora: bool = False) -
     takes a smaller step so a fine-tune does not wipe what it knows (3e-3 below ~10M parameters,
     1e-4 below ~100M, 2e-5 above), with about three passes over the data, within bounds. A LoRA
     adapter starts at zero and cannot wipe the base, so it takes the usual larger adapter step
-    (3e-3 on a tiny base, 2e-4 on a real one).
+    (3e-3 on a tiny base, 2e-4 on a real one). A base whose size its files do not tell
+    (:func:`training.bases.parameter_count`) gets the largest base's defaults.
     """
     if base.is_init:
         return {"steps": 1500, "batch_size": 128, "lr": 3e-3, "warmup": 0.1, "weight_decay": 0.01}
-    params = _weights_params(base.directory)
+    count = parameter_count(base.directory)
+    params = math.inf if count is None else count
     # a few-million-parameter base (the project's own) needs a large step to learn a new task in a
     # few hundred steps; real pretrained bases get the usual small ones
     lr = 3e-3 if params < 10_000_000 else 1e-4 if params < 100_000_000 else 2e-5
@@ -98,22 +106,38 @@ def default_hyperparameters(base: ResolvedBase, rows: int, lora: bool = False) -
 
 
 def _claim_run_dir(store: CheckpointStore, model: str, version: str, job: dict[str, Any]) -> str:
-    """Record the job's arguments in its run directory; refuse to resume a different job."""
+    """Record the job's arguments in its run directory. A run with a checkpoint resumes only with
+    the same arguments; one without (it failed before its first) holds nothing to resume and is
+    replaced."""
     run = store.run_path(model, version)
     job_file = f"{run}/{JOB_FILE}"
     if store.fs.isfile(job_file):
-        previous = json.loads(store.fs.cat_file(job_file))
-        if previous != job:
+        try:
+            previous = json.loads(store.fs.cat_file(job_file))
+        except ValueError:  # cut short by a crash: a run that never got to its first checkpoint
+            previous = {}
+        if previous == job:
+            return run
+        if _checkpoints(store, run):
             diff = {k: (previous.get(k), v) for k, v in job.items() if previous.get(k) != v}
             raise TrainingError(
                 f"{store.fs.unstrip_protocol(run)} holds a run of {model}@{version} with other "
                 f"arguments (was, now): {diff}; rerun with the same arguments to resume, or delete "
                 "that directory to start over"
             )
-    else:
-        store.fs.makedirs(run, exist_ok=True)
-        store.fs.pipe_file(job_file, json.dumps(job, sort_keys=True).encode())
+        store.fs.rm(run, recursive=True)
+    store.fs.makedirs(run, exist_ok=True)
+    store.fs.pipe_file(job_file, json.dumps(job, sort_keys=True).encode())
     return run
+
+
+def _checkpoints(store: CheckpointStore, run: str) -> list[str]:
+    """The checkpoint directories Ray Train wrote in ``run`` (``checkpoint_<step>``)."""
+    if not store.fs.isdir(run):
+        return []
+    entries = store.fs.ls(run, detail=True)
+    names = [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory"]
+    return sorted(n for n in names if n.startswith("checkpoint_"))
 
 
 def _init_ray(workers: int, ray_address: str | None) -> Callable[[], None] | None:
@@ -262,13 +286,48 @@ def _corpus(train_set: Dataset) -> list[dict[str, Any]]:
     ]
 
 
-def _check_args(model: str, version: str, method: str, workers: int, steps: int | None, every: int) -> None:
+def _check_args(model: str, version: str, method: str, opts: Mapping[str, Any]) -> None:
+    """Refuse arguments the workers would fail on (or silently bend), before anything is claimed."""
     check_name("model", model)
     check_name("version", version)
     if method not in METHODS:
         raise TrainingError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
-    if workers < 1 or every < 1 or (steps is not None and steps < 1):
-        raise TrainingError("workers, steps and checkpoint_every must be >= 1")
+    for key in ("workers", "steps", "checkpoint_every", "batch_size", "threads"):
+        if opts[key] is not None and opts[key] < 1:
+            raise TrainingError(f"--{key.replace('_', '-')} must be >= 1, got {opts[key]}")
+    lr = opts["lr"]
+    if lr is not None and not (math.isfinite(lr) and lr > 0):
+        raise TrainingError(f"--lr must be a finite number > 0, got {lr}")
+    if opts["batch_size"] is not None and opts["batch_size"] < opts["workers"]:
+        raise TrainingError(
+            f"--batch-size {opts['batch_size']} is smaller than --workers {opts['workers']}: every rank "
+            "needs at least one row a step"
+        )
+
+
+def _check_finite(label: str, outcome: Mapping[str, Any], run_uri: str) -> None:
+    """Refuse to publish a run that diverged: its loss or an eval metric is not a finite number."""
+    values = {"final training loss": outcome["final_loss"]}
+    values |= {f"eval {k}": v for k, v in outcome["metrics"].items()}
+    bad = [f"{name} {value}" for name, value in values.items() if not math.isfinite(value)]
+    if bad:
+        raise TrainingError(
+            f"{label} is not published: {', '.join(bad)} (not a finite number: the run diverged; "
+            f"a lower --lr may help); its run directory {run_uri} is kept for inspection: delete it "
+            f"before training {label} again"
+        )
+
+
+def _hyperparameters(base: ResolvedBase, rows: int, opts: Mapping[str, Any]) -> dict[str, Any]:
+    """The defaults for ``base``, overridden by the ones given; a default batch must suit the ranks."""
+    hyper = default_hyperparameters(base, rows, lora=opts["lora"] is not None)
+    hyper |= {k: opts[k] for k in ("steps", "batch_size", "lr") if opts[k] is not None}
+    if hyper["batch_size"] < opts["workers"]:
+        raise TrainingError(
+            f"the default batch size {hyper['batch_size']} is smaller than --workers {opts['workers']}: "
+            f"pass --batch-size {opts['workers']} or more"
+        )
+    return hyper
 
 
 def train(
@@ -300,7 +359,15 @@ def train(
     ``method="lora"`` the version is a peft adapter of ``base`` (which must be a store version,
     ``model@version``, so the adapter names the exact weights it applies to), shaped by ``lora``.
     """
-    _check_args(model, version, method, workers, steps, checkpoint_every)
+    opts: dict[str, Any] = {
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "workers": workers,
+        "threads": threads,
+        "checkpoint_every": checkpoint_every,
+    }
+    _check_args(model, version, method, opts)
     if method == "lora" and not is_store_ref(base):
         raise TrainingError(
             f"--method lora needs a base from the checkpoint store (model@version), not {base!r}: "
@@ -314,14 +381,7 @@ def train(
         )
     workdir = Path(tempfile.mkdtemp(prefix="train-"))
     try:
-        opts: dict[str, Any] = {
-            "steps": steps,
-            "batch_size": batch_size,
-            "lr": lr,
-            "workers": workers,
-            "threads": threads,
-        }
-        opts |= {"checkpoint_every": checkpoint_every, "use_gpu": use_gpu, "ray_address": ray_address}
+        opts |= {"use_gpu": use_gpu, "ray_address": ray_address}
         opts |= {"lora": (lora or LoraOptions()) if method == "lora" else None}
         return _train(
             store, model, version, base, data, eval_data, method, seed, workdir, opts | {"keep_run": keep_run}
@@ -351,11 +411,10 @@ def _train(
         base_ref, store, workdir, CACHE_DIR / "bases", lambda: _corpus(train_set), train_set.ref.sha256, seed
     )
     lora: LoraOptions | None = opts["lora"]
+    if lora is not None:
+        check_targets(base.directory, lora)
     encoded = _encode(base, train_set, eval_set)
-    hyper = default_hyperparameters(base, len(encoded["rows"]), lora=lora is not None)
-    for key in ("steps", "batch_size", "lr"):
-        if opts.get(key) is not None:
-            hyper[key] = opts[key]
+    hyper = _hyperparameters(base, len(encoded["rows"]), opts)
     job = {"model": model, "version": version, "base": base.ref.model_dump(), "method": method, "seed": seed}
     job |= {"data": train_set.ref.sha256, "eval": eval_set.ref.sha256, **hyper}
     if lora is not None:
@@ -363,6 +422,11 @@ def _train(
     run = _claim_run_dir(store, model, version, job)
     prep_s = time.monotonic() - t0
     outcome, workers = _fit(store, run, f"{model}@{version}", base, encoded, hyper, seed, opts)
+    try:
+        _check_finite(f"{model}@{version}", outcome, store.fs.unstrip_protocol(run))
+    except TrainingError:
+        shutil.rmtree(Path(outcome["hf"]).parent, ignore_errors=True)  # the local copy of hf/
+        raise
     fields = {
         "model": model,
         "version": version,
@@ -410,6 +474,7 @@ def _fit(
     workers = int(opts["workers"])
     stop_ray = _init_ray(workers, opts["ray_address"])  # first: before this process imports Ray
     import ray
+    from ray.train.v2.api.exceptions import TrainingFailedError
 
     from training.loop import HF_DIR, RESULT_FILE
     from training.progress import ProgressPrinter
@@ -426,6 +491,8 @@ def _fit(
         try:
             private = stop_ray is not None and opts["ray_address"] is None and not os.environ.get("RAY_ADDRESS")
             result = _run_trainer(store, run, config, workers, opts["use_gpu"], private)
+        except TrainingFailedError as exc:
+            raise TrainingError(f"{failure_message(label, exc)}; {_what_is_left(store, run)}") from None
         finally:
             printer.stop()
         if result.checkpoint is None:
@@ -439,6 +506,27 @@ def _fit(
         if stop_ray is not None:
             stop_ray()
     return outcome, workers
+
+
+def _what_is_left(store: CheckpointStore, run: str) -> str:
+    """What a failed run leaves the user: a checkpoint to resume from, or a clean slate."""
+    if not _checkpoints(store, run):
+        return "nothing was checkpointed: a corrected command starts afresh"
+    where = store.fs.unstrip_protocol(run)
+    return f"its checkpoints stay in {where}: rerun the same command to resume, or delete it to start over"
+
+
+def failure_message(label: str, exc: BaseException) -> str:
+    """One line for a failed Ray Train run: the exception of the lowest failing rank (or of Ray
+    Train's controller), without Ray's report and tracebacks around it."""
+    failures: Mapping[int, BaseException] = getattr(exc, "worker_failures", None) or {}
+    if failures:
+        rank = min(failures)
+        cause, where = failures[rank], f"rank {rank}"
+    else:
+        cause, where = getattr(exc, "controller_failure", None) or exc, "the Ray Train controller"
+    text = " ".join(str(cause).split())
+    return f"{label}: training failed on {where}: {type(cause).__name__}: {text}"
 
 
 def parser() -> argparse.ArgumentParser:
