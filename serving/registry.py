@@ -34,11 +34,14 @@ import secrets
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+if TYPE_CHECKING:
+    from serving.node_cache import Resolved
 
 __all__ = [
     "Adapter",
@@ -451,9 +454,14 @@ class CheckpointStore:
         """A local directory with the version's verified files that an engine can load: the
         version directory itself for a local store, else a node-local copy in ``cache_dir``
         (:class:`serving.node_cache.VerifiedCache`: fetched and hashed once per node)."""
+        return self.local_version(model, version).path
+
+    def local_version(self, model: str, version: str) -> Resolved:
+        """:meth:`local_path`'s :class:`serving.node_cache.Resolved`: the directory with the
+        manifest it was verified against and that manifest's sha256."""
         from serving.node_cache import VerifiedCache  # it builds on this module
 
-        return VerifiedCache(self._cache_dir).resolve(self, model, version).path
+        return VerifiedCache(self._cache_dir).resolve(self, model, version)
 
     # -- writing -------------------------------------------------------------------------------
 

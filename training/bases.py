@@ -30,7 +30,7 @@ from typing import Any, Final
 
 import fsspec
 
-from serving.registry import MANIFEST, BaseRef, CheckpointStore
+from serving.registry import BaseRef, CheckpointStore
 from training.uris import redact_uri
 
 __all__ = ["BaseError", "ResolvedBase", "is_store_ref", "parameter_count", "resolve_base"]
@@ -118,11 +118,13 @@ def _from_store(ref: str, store: CheckpointStore) -> ResolvedBase:
     m = _STORE_REF.match(ref)
     assert m is not None
     model, version = m["model"], m["version"]
-    store.verify(model, version)  # raises VersionNotFound / TamperedVersion with a clear message
-    raw = store.fs.cat_file(f"{store.version_path(model, version)}/{MANIFEST}")
-    directory = store.local_path(model, version)
-    sha = hashlib.sha256(raw).hexdigest()
-    return ResolvedBase(directory, BaseRef(source="store", ref=ref, manifest_sha256=sha))
+    # verified once per node, like a serving replica's version (VersionNotFound / TamperedVersion
+    # name what is wrong); the manifest hash recorded is the one the files were checked against
+    local = store.local_version(model, version)
+    if local.manifest.adapter is not None:
+        on = local.manifest.base.ref if local.manifest.base else "its base"
+        raise BaseError(f"{ref} is a LoRA adapter of {on}, not a model: pass that base as --base")
+    return ResolvedBase(local.path, BaseRef(source="store", ref=ref, manifest_sha256=local.manifest_sha256))
 
 
 def _from_hub(repo_id: str) -> ResolvedBase:

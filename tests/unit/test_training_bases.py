@@ -43,6 +43,26 @@ def test_store_version_is_verified_and_its_manifest_hashed(tmp_path: Path) -> No
         _resolve("adder@v1", tmp_path, store)
 
 
+def test_a_lora_adapter_version_is_not_a_base(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path / "store"))
+    base = store.publish(_folder(tmp_path / "src"), {"model": "adder", "version": "v1"})
+    adapter = tmp_path / "lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    store.publish(
+        adapter,
+        {
+            "model": "adder-max",
+            "version": "v1",
+            "base": {"source": "store", "ref": "adder@v1", "manifest_sha256": "0" * 64},
+            "adapter": {"rank": 8, "alpha": 16, "target_modules": ["q_proj"]},
+        },
+    )
+    assert base.adapter is None
+    with pytest.raises(BaseError, match="adder-max@v1 is a LoRA adapter of adder@v1, not a model"):
+        _resolve("adder-max@v1", tmp_path, store)
+
+
 def test_existing_folder_wins_over_a_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _folder(tmp_path / "org" / "name")
     monkeypatch.chdir(tmp_path)
