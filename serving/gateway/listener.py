@@ -40,15 +40,26 @@ logger = logging.getLogger("serving.gateway")
 __all__ = ["GuardedHttpTools", "Listener", "bind_shared"]
 
 
-def _raw_error(status: str, message: str, type_: str) -> bytes:
-    body = (
-        b'{"error":{"message":"' + message.encode() + b'","type":"' + type_.encode() + b'","param":null,"code":null}}'
-    )
+def _raw_error(status: str, message: str, type_: str, anthropic: bool = False) -> bytes:
+    """A whole HTTP answer, written straight to the socket: OpenAI's error body, or Anthropic's
+    for a request whose path is known to be one of its routes."""
+    if anthropic:
+        body = b'{"type":"error","error":{"type":"' + type_.encode() + b'","message":"' + message.encode() + b'"}}'
+    else:
+        body = (
+            b'{"error":{"message":"'
+            + message.encode()
+            + b'","type":"'
+            + type_.encode()
+            + b'","param":null,"code":null}}'
+        )
     head = f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
     return head.encode() + b"connection: close\r\nretry-after: 1\r\n\r\n" + body
 
 
-_TOO_SLOW = _raw_error("408 Request Timeout", "The request was not received in time.", "invalid_request_error")
+_SLOW = ("408 Request Timeout", "The request was not received in time.", "invalid_request_error")
+_TOO_SLOW = _raw_error(*_SLOW)
+_TOO_SLOW_ANTHROPIC = _raw_error(*_SLOW, anthropic=True)  # a body too slow on /v1/messages...
 _BUSY = _raw_error("503 Service Unavailable", "Too many connections; retry shortly.", "service_unavailable")
 
 
@@ -88,7 +99,9 @@ class GuardedHttpTools(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
-            self.transport.write(_TOO_SLOW)
+            # headers complete (a body too slow): the path is known, so is the error's shape
+            path = str(self.cycle.scope.get("path", "")) if self.cycle is not None else ""
+            self.transport.write(_TOO_SLOW_ANTHROPIC if path.startswith("/v1/messages") else _TOO_SLOW)
         self.transport.close()
 
     def data_received(self, data: bytes) -> None:

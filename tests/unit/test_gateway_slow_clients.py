@@ -78,6 +78,18 @@ async def test_a_body_that_never_completes_is_cut_after_the_body_timeout() -> No
         assert core.in_flight["m"] == 0
 
 
+async def test_a_body_too_slow_on_an_anthropic_route_gets_anthropics_error_shape() -> None:
+    async with http_replica(_ok) as url, _listener(url, body_timeout_s=0.5) as (port, _, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b'POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{"model"')
+        await writer.drain()
+        got = await _read_all(reader, 5)
+        assert got.startswith(b"HTTP/1.1 408")
+        error = b'{"type":"error","error":{"type":"invalid_request_error","message":"The request was not received'
+        assert error in got
+        writer.close()
+
+
 async def test_a_kept_alive_connection_gets_the_header_deadline_again() -> None:
     async with http_replica(_ok) as url, _listener(url, header_timeout_s=0.5) as (port, _, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
