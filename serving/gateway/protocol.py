@@ -308,7 +308,7 @@ def _check_messages(messages: object) -> None:
         if not isinstance(m, dict):
             raise InvalidRequest(f"'{where}' must be an object", param=where)
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list is unhashable: not a set lookup
             raise InvalidRequest(f"'{where}.role' must be one of {sorted(ROLES)}, got {role!r}", param=f"{where}.role")
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):

@@ -144,6 +144,16 @@ async def test_fields_the_gateway_reads_itself_are_checked_with_a_400(field: str
         _settled(core, actor)
 
 
+@pytest.mark.parametrize("role", [[1, "a"], {"x": 1}, 5, None])
+async def test_a_role_of_the_wrong_type_is_a_400(role: Any) -> None:
+    """Found by tests/integration/test_fuzz.py: a list as role was a 500 (unhashable in the set of roles)."""
+    async with _gateway(OneReplica("http://127.0.0.1:9")) as (c, core, actor):
+        body = {"model": "m", "messages": [{"role": role, "content": "12+30="}], "max_tokens": 4}
+        r = await c.post("/v1/chat/completions", json=body, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
+        _settled(core, actor)
+
+
 @pytest.mark.parametrize("prompt", ["1+1=", ["1+1=", "2+2="], [1, 2, 3], [[1, 2, 3], [4, 5]]])
 def test_the_four_openai_prompt_forms_are_accepted(prompt: Any) -> None:
     body = {"model": "m", "prompt": prompt, "max_tokens": 4}
