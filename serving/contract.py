@@ -67,8 +67,9 @@ except ImportError:  # pragma: no cover - tests/unit/test_gateway_listener.py fa
 
 
 class AdapterRefused(Exception):
-    """A LoRA adapter a base replica will not register: not configured for that base, failing
-    verification against its manifest, above the engine's rank, or refused by vLLM. A lease raises
+    """A LoRA adapter a base replica will not register: failing verification against its
+    manifest, above the engine's rank, or refused by vLLM (one the replica's configuration does not
+    list yet is a replica-level refusal, retried elsewhere). A lease raises
     it; every replica of the base would refuse it the same way, so the gateway answers with it
     instead of trying another replica."""
 

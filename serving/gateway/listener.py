@@ -35,32 +35,26 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from serving.errors import anthropic_error_body, error_body
+
 logger = logging.getLogger("serving.gateway")
 
 __all__ = ["GuardedHttpTools", "Listener", "bind_shared"]
 
 
-def _raw_error(status: str, message: str, type_: str, anthropic: bool = False) -> bytes:
-    """A whole HTTP answer, written straight to the socket: OpenAI's error body, or Anthropic's
-    for a request whose path is known to be one of its routes."""
-    if anthropic:
-        body = b'{"type":"error","error":{"type":"' + type_.encode() + b'","message":"' + message.encode() + b'"}}'
-    else:
-        body = (
-            b'{"error":{"message":"'
-            + message.encode()
-            + b'","type":"'
-            + type_.encode()
-            + b'","param":null,"code":null}}'
-        )
-    head = f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+def _raw_error(status: int, reason: str, body: bytes) -> bytes:
+    """A whole HTTP answer with an error body, written straight to the socket."""
+    head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
     return head.encode() + b"connection: close\r\nretry-after: 1\r\n\r\n" + body
 
 
-_SLOW = ("408 Request Timeout", "The request was not received in time.", "invalid_request_error")
-_TOO_SLOW = _raw_error(*_SLOW)
-_TOO_SLOW_ANTHROPIC = _raw_error(*_SLOW, anthropic=True)  # a body too slow on /v1/messages...
-_BUSY = _raw_error("503 Service Unavailable", "Too many connections; retry shortly.", "service_unavailable")
+_SLOW = "The request was not received in time."
+_TOO_SLOW = _raw_error(408, "Request Timeout", error_body(_SLOW, "invalid_request_error"))
+# a body too slow on /v1/messages...: the path is known by then, so Anthropic's shape
+_TOO_SLOW_ANTHROPIC = _raw_error(408, "Request Timeout", anthropic_error_body(408, _SLOW))
+_BUSY = _raw_error(
+    503, "Service Unavailable", error_body("Too many connections; retry shortly.", "service_unavailable")
+)
 
 
 class GuardedHttpTools(HttpToolsProtocol):
