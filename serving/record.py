@@ -9,9 +9,11 @@ and every cluster of a stack can all reach (a local path, a PVC or an ``s3://`` 
     <root>/.control/<stack>/requests/<model>.json       a CLI request waiting for the controller
     <root>/.control/<stack>/promotions/<model>/<id>.json one record per promotion, steps appended
 
-``live.json`` is what serves: each step is written there (and into the promotion's record) before
-it is applied, so whatever reads it (a restarted controller, ``serving up``) applies the step that
-was in progress, never an older one. Every file is replaced whole (write, then read back).
+``live.json`` is what serves: each step is written into the promotion's record (marked
+``live_pending``), then into ``live.json``, before it is applied, and the mark is cleared; the
+controller writes a step still marked into ``live.json`` at its next poll. So whatever reads
+``live.json`` (a restarted controller, ``serving up``) applies the step that was in progress, never
+an older one. Every file is replaced whole (write, then read back).
 
 The lock is a lease: ``{holder, token, expires_at}``. A controller takes it when it is absent,
 expired or its own, renews it every poll and checks it before every write; a controller that sees
@@ -87,6 +89,7 @@ class PromotionRecord(_Doc):
     baseline: dict[str, Any] = {}  # metric totals at the start of the step being watched
     policy: dict[str, Any] = {}
     reason: str = ""
+    live_pending: bool = False  # its last step with weights is recorded but not yet in live.json
     created_at: float
     updated_at: float
     steps: list[StepRecord] = []

@@ -15,7 +15,7 @@ import typer
 import yaml
 from rich.console import Console
 
-from serving.config import ConfigError, StackConfig, load_config
+from serving.config import ConfigError, ModelConfig, StackConfig, load_config
 from serving.control.serve_config import build_serve_config
 from serving.replica.engine import OFFLINE_ENV
 
@@ -46,6 +46,16 @@ def _load(path: Path, live: bool = True) -> StackConfig:
         return live_config(cfg, control)
     except ConfigError as exc:
         console.print(str(exc), style="red", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+
+
+def _model(cfg: StackConfig, name: str, path: Path) -> ModelConfig:
+    """The config's model NAME, or exit 2 saying it is not there (add it and `serving up` first)."""
+    try:
+        return cfg.model(name)
+    except KeyError:
+        names = ", ".join(m.name for m in cfg.models)
+        console.print(f"model {name!r} is not in {path} (its models: {names})", style="red", markup=False)
         raise typer.Exit(2) from None
 
 
@@ -162,20 +172,27 @@ def promote(
 ) -> None:
     """Ask the promotion controller to canary MODEL@VERSION (or --abort the one in progress), then
     follow its steps. Exit 0 promoted, 1 rolled back or aborted, 2 refused, 3 nobody took it."""
+    from serving.control.controller import policy_for
     from serving.control.requests import submit
 
     cfg = _load(config, live=False)
-    cfg.model(model)
+    m = _model(cfg, model, config)
     if not abort and version is None:
         console.print("give a VERSION to promote, or --abort", style="red")
         raise typer.Exit(2)
     overrides: dict[str, object] = {}
-    if steps:
-        overrides["steps"] = [int(x) for x in steps.split(",")]
-    if step_seconds is not None:
-        overrides["step_seconds"] = step_seconds
-    if max_ttft_ratio is not None:
-        overrides["max_ttft_ratio"] = max_ttft_ratio
+    try:
+        if steps:
+            overrides["steps"] = [int(x) for x in steps.split(",")]
+        if step_seconds is not None:
+            overrides["step_seconds"] = step_seconds
+        if max_ttft_ratio is not None:
+            overrides["max_ttft_ratio"] = max_ttft_ratio
+        policy_for(m, overrides)  # the controller refuses what does not validate: say it now
+    except ValueError as exc:
+        hint = " (--steps: percentages rising to 100, e.g. 10,50,100)" if steps else ""
+        console.print(f"{exc}{hint}", style="red", markup=False)
+        raise typer.Exit(2) from None
     control = _control(cfg, config)
     at = submit(control, model, "abort" if abort else "promote", None if abort else version, overrides)
     _follow(control, model, at, None if abort else version, follow, timeout)
@@ -208,11 +225,15 @@ def rollback(
     from serving.control.requests import submit
 
     cfg = _load(config, live=False)
-    cfg.model(model)
+    _model(cfg, model, config)
+    deployed = [v.version for v in _model(_load(config), model, config).versions]
+    if to is not None and to not in deployed:  # the controller refuses it too
+        console.print(f"{model}@{to} is not deployed ({model} serves {', '.join(deployed)})", style="red", markup=False)
+        raise typer.Exit(2)
     control = _control(cfg, config)
     at = submit(control, model, "rollback", to, {})
     _follow(control, model, at, None, True, 120) if control.active(model) else _wait_taken(control, model)
-    print(f"{model}: {', '.join(f'{v.version}={v.weight}%' for v in _load(config).model(model).versions)}")
+    print(f"{model}: {', '.join(f'{v.version}={v.weight}%' for v in _model(_load(config), model, config).versions)}")
 
 
 def _wait_taken(control: ControlStore, model: str, timeout_s: float = 120) -> None:
@@ -242,7 +263,7 @@ def versions(model: str = typer.Argument(...), config: Path = ConfigOpt) -> None
     """List a model's versions in the checkpoint store, with their eval scores and traffic."""
     cfg = _load(config)
     store = _store(cfg, config)
-    live = {v.version: v.weight for v in cfg.model(model).versions}
+    live = {v.version: v.weight for v in _model(cfg, model, config).versions}
     for v in store.list_versions(model):
         man = store.manifest(model, v)
         base = f"{man.base.source}:{man.base.ref}" if man.base else "-"

@@ -12,19 +12,33 @@ A promotion of ``model@new`` beside ``model@live`` goes::
 
 Every applied config is built from the CURRENT record of live versions (``live.json``) over the
 stack config, never from a snapshot taken when the promotion started, so promotions of different
-models never undo each other. One promotion per model at a time.
+models never undo each other. One promotion per model at a time. A step keeps the split that served
+before the promotion (its versions share what the new one does not get), and a rollback restores
+that split. A step whose config cannot be built (checked as a deploy builds it, manifests read) is
+never recorded: the promotion is refused (deploy) or rolled back instead.
+
+Record, then ``live.json``, then apply: a step is saved in the promotion's record marked
+``live_pending``, written into ``live.json``, and the mark cleared. Each poll first writes the last
+weighted step of a record still marked into ``live.json`` (a write that failed, or a controller that
+died in between), so the record and ``live.json`` end up agreeing whatever failed. A failed apply
+is retried every poll until one succeeds.
 
 Restart rule: a controller that starts and finds an active promotion resumes it. Its step was
-recorded (in ``live.json`` and the record) before it was applied, so the first thing the new
-controller does is apply the record again (a no-op if it already serves); a ``stepping`` promotion
-restarts its step's watch window from that moment (the old window's scrape baseline may predate a
-metrics reset), ``deploying`` waits for the app again and ``finishing`` completes.
+recorded before it was applied, so the first thing the new controller does is apply the record again
+(a no-op if it already serves); a ``stepping`` promotion restarts its step's watch window from that
+moment (the old window's scrape baseline may predate a metrics reset), ``deploying`` waits for the
+app again and ``finishing`` completes.
+
+The online eval's prompts are the controller's own: the step's baseline is shifted by what the
+metrics counted while it ran, so they never count as the canary's traffic. An eval request that
+fails counts as a miss; an eval that raises rolls back, as a score of 0 would.
 
 Adapters: a LoRA adapter (a model with ``base``) is promoted like any model; its versions run on
 the base versions their manifests name, so "its app" is that base version's. A base version that
-a live adapter version (weight > 0) runs on is never removed: promoting the base leaves it at
-weight 0, serving only those adapters, and it is removed once no live adapter version needs it
-(their retrained versions on the new base were promoted).
+a configured adapter version (any weight) runs on is never removed: promoting the base leaves it
+at weight 0, serving only those adapters, and it is removed once no configured adapter version
+needs it (their retrained versions on the new base were promoted). Every step, rollback and ``serving
+rollback`` keeps such versions at weight 0.
 """
 
 from __future__ import annotations
@@ -37,13 +51,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from serving.config import ModelConfig, ModelVersion, PromotionPolicy, StackConfig
-from serving.control.serve_config import app_name, base_version_for
+from pydantic import ValidationError
+
+from serving.config import ConfigError, ModelConfig, ModelVersion, PromotionPolicy, StackConfig
+from serving.control.serve_config import app_name, base_version_for, build_serve_config
 from serving.control.watch import Verdict, VersionStats, judge, merge
 from serving.record import ControlStore, PromotionRecord, PromotionRequest, StepRecord, StoreLock
 from serving.registry import CheckpointStore, Manifest, RegistryError, _natural_key, manifest_at
 
-__all__ = ["Applier", "Controller", "Prober", "with_live"]
+__all__ = ["Applier", "Controller", "Prober", "policy_for", "with_live"]
 
 log = logging.getLogger("raystack.promotion")
 
@@ -81,6 +97,23 @@ def with_live(cfg: StackConfig, live: dict[str, list[tuple[str, int]]]) -> Stack
     return StackConfig.model_validate({**cfg.model_dump(), "models": models})
 
 
+def policy_for(m: ModelConfig, overrides: dict[str, Any]) -> PromotionPolicy:
+    """``m``'s promotion policy with a request's overrides; ValueError naming each wrong setting."""
+    try:
+        return PromotionPolicy.model_validate({**m.promotion.model_dump(), **overrides})
+    except ValidationError as exc:
+        wrong = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        raise ValueError(f"invalid promotion settings: {'; '.join(wrong)}") from None
+
+
+def _split(before: dict[str, int], previous: str, share: int) -> dict[str, int]:
+    """``share`` % over ``before``'s versions in their proportions (the rounding rest to ``previous``)."""
+    total = sum(before.values()) or 1
+    out = {v: share * w // total for v, w in before.items()}
+    out[previous] = out.get(previous, 0) + share - sum(out.values())
+    return out
+
+
 class LockLost(Exception):
     """Another controller took the lock while this one was busy: it stops writing at once."""
 
@@ -104,6 +137,7 @@ class Controller:
         self.applier, self.prober, self.clock, self.observe = applier, prober, clock, observe
         self._resumed: set[str] = set()
         self._active = False
+        self._dirty = False  # what serves may differ from live.json: an apply is due
         self._trained_on: dict[tuple[str, str], str] = {}  # (adapter, version) -> base version (manifests)
         self.base = base  # the config file's folder: relative version paths start there
 
@@ -119,7 +153,33 @@ class Controller:
     def _set(self, model: str, versions: list[tuple[str, int]]) -> None:
         """Record, then apply the whole current config (every model as recorded now)."""
         self.control.set_live(model, versions)
-        self.applier.apply(self.current())
+        self._dirty = True
+        self._apply()
+
+    def _apply(self) -> None:
+        """Apply the whole current config; a failure leaves it due, and the next poll tries again."""
+        try:
+            self.applier.apply(self.current())
+        except Exception as exc:
+            self._dirty = True
+            log.exception("applying the recorded config failed; trying again next poll: %s", exc)
+        else:
+            self._dirty = False
+
+    def _to_live(self, rec: PromotionRecord) -> None:
+        """Write the record's last weighted step into ``live.json``, then clear its mark."""
+        last = next(s for s in reversed(rec.steps) if s.weights)
+        self.control.set_live(rec.model, list(last.weights.items()))
+        self._dirty = True
+        rec.live_pending = False
+        self.control.save(rec)
+
+    def _reconcile(self, model: str) -> None:
+        """The newest weighted record of ``model`` still marked ``live_pending`` goes into ``live.json``."""
+        rec = next((r for r in reversed(self.control.history(model)) if any(s.weights for s in r.steps)), None)
+        if rec is not None and rec.live_pending:
+            log.warning("%s: promotion %s recorded a step live.json lacks; writing it", model, rec.id)
+            self._to_live(rec)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -141,19 +201,29 @@ class Controller:
             for m in self.seed.models:
                 if m.name not in recorded:
                     self.control.set_live(m.name, [(v.version, v.weight) for v in m.versions])
-            self.applier.apply(self.current())
+            self._dirty = True
             self._resumed.clear()
             self._active = True
+        blocked = set()  # models whose live.json could not be made to match their record
+        for m in self.seed.models:
+            try:
+                self._reconcile(m.name)
+            except Exception as exc:
+                log.exception("live.json of %s not written; its promotion waits: %s", m.name, exc)
+                blocked.add(m.name)
+        if self._dirty:
+            self._apply()
         for m in self.current().models:
             try:
-                self._tick_model(m)
+                if m.name not in blocked:
+                    self._tick_model(m)
             except LockLost:
                 raise
             except Exception as exc:  # one model's trouble must not stop the others' promotions
                 log.exception("promotion tick of %s failed: %s", m.name, exc)
-        self._prune_bases()
-        if getattr(self.applier, "reconcile_each_poll", False):  # undo an apply of a stale config
-            self.applier.apply(self.current())
+        self._prune_bases(blocked)
+        if self._dirty or getattr(self.applier, "reconcile_each_poll", False):  # also undoes a stale apply
+            self._apply()
         return "active"
 
     # -- adapters and their bases ---------------------------------------------------------------
@@ -182,20 +252,36 @@ class Controller:
         return app_name(m.base, self.base_version(m, version) or "")
 
     def _needed(self, cfg: StackConfig) -> dict[str, set[str]]:
-        """Base model -> the versions its live adapter versions (weight > 0) run on."""
+        """Base model -> the versions its configured adapter versions run on (weight 0 included: the
+        base's replicas register every configured version, and the config is refused without it)."""
         out: dict[str, set[str]] = {}
         for a in cfg.models:
             for v in a.versions if a.base else ():
-                if v.weight > 0:
-                    out.setdefault(a.base or "", set()).add(self.base_version(a, v.version) or "")
+                out.setdefault(a.base or "", set()).add(self.base_version(a, v.version) or "")
         return out
 
-    def _prune_bases(self) -> None:
-        """Remove base versions at weight 0 that no live adapter version runs on any more."""
+    def _keep_needed(self, model: str, weights: dict[str, int]) -> dict[str, int]:
+        """``weights`` plus, at 0, each version of ``model`` that a configured adapter version runs on."""
+        needed = self._needed(self.current()).get(model, set())
+        served = [v.version for v in self.current().model(model).versions]
+        order = {v: i for i, v in enumerate(served)}
+        return weights | {v: 0 for v in sorted(needed - set(weights), key=lambda v: order.get(v, len(order)))}
+
+    def _unbuildable(self, model: str, weights: dict[str, int]) -> str | None:
+        """Why the config with ``model`` at ``weights`` could not be deployed (as a deploy builds it)."""
+        try:
+            cfg = with_live(self.seed, self.live() | {model: list(weights.items())})
+            build_serve_config(cfg, self.base, read_manifests=True, seed=self.seed)
+        except (ConfigError, ValidationError) as exc:
+            return str(exc)
+        return None
+
+    def _prune_bases(self, blocked: set[str]) -> None:
+        """Remove base versions at weight 0 that no configured adapter version runs on any more."""
         cfg = self.current()
         needed = self._needed(cfg)
         for m in cfg.models:
-            if m.base is None and cfg.adapters_of(m):
+            if m.base is None and cfg.adapters_of(m) and m.name not in blocked:
                 rec = self.control.active(m.name)
                 idle = [v for v in m.versions if v.weight == 0 and v.version not in needed.get(m.name, set())]
                 if idle and (rec is None or not rec.active):
@@ -239,19 +325,23 @@ class Controller:
             why = "aborted by serving promote --abort" if req.action == "abort" else "rolled back by serving rollback"
             self._rollback(rec, why, "aborted" if req.action == "abort" else "rolled_back")
             return rec
+        keep = req.version or m.live_version
+        if req.action == "rollback" and m.version(keep) is None:
+            served = ", ".join(v.version for v in m.versions)
+            return self._refuse(m, keep, f"refused: {m.name}@{keep} is not deployed ({m.name} serves {served})")
         if req.action == "rollback" and len(m.versions) > 1:
-            keep = req.version or m.live_version
-            self._set(m.name, [(keep, 100)])
+            self._set(m.name, list(self._keep_needed(m.name, {keep: 100}).items()))
             _decision(m.name, keep, "rollback", f"serving rollback: {keep} alone", {})
         return None
 
     # -- a promotion ----------------------------------------------------------------------------
 
-    def _refuse(self, m: ModelConfig, version: str, reason: str) -> PromotionRecord:
+    def _refuse(self, m: ModelConfig, version: str, reason: str, source: str = "manual") -> PromotionRecord:
         now = self.clock()
         rec = PromotionRecord(
             id=f"{now:.3f}-{version}", model=m.name, version=version, previous=m.live_version,
-            source="manual", status="refused", reason=reason, created_at=now, updated_at=now,
+            source="auto" if source == "auto" else "manual", status="refused", reason=reason,
+            created_at=now, updated_at=now,
         )  # fmt: skip
         rec.steps.append(StepRecord(at=now, phase="refused", note=reason))
         self.control.save(rec)
@@ -267,8 +357,10 @@ class Controller:
             raise RegistryError(why)
 
     def _start(self, m: ModelConfig, version: str, source: str, overrides: dict[str, Any]) -> PromotionRecord | None:
-        now, live = self.clock(), m.live_version
-        policy = PromotionPolicy.model_validate({**m.promotion.model_dump(), **overrides})
+        try:
+            policy = policy_for(m, overrides)
+        except ValueError as exc:
+            return self._refuse(m, version, f"refused: {exc}", source)
         if m.version(version) is not None:
             return self._refuse(m, version, f"{m.name}@{version} is already deployed")
         try:
@@ -282,10 +374,8 @@ class Controller:
             why = (
                 f"refused: {exc}" if isinstance(exc, RegistryError) else f"refused: the store could not be read: {exc}"
             )
-            rec = self._refuse(m, version, why)
-            rec.source = "auto" if source == "auto" else "manual"
-            self.control.save(rec)
-            return rec
+            return self._refuse(m, version, why, source)
+        now, live = self.clock(), m.live_version  # after hashing: the deploy timeout starts here
         rec = PromotionRecord(
             id=f"{now:.3f}-{version}", model=m.name, version=version, previous=live,
             source="auto" if source == "auto" else "manual", policy=policy.model_dump(mode="json"),
@@ -293,7 +383,8 @@ class Controller:
         )  # fmt: skip
         self._resumed.add(rec.id)
         scores = {k: v for k, v in (manifest.eval.metrics.items() if manifest.eval else [])}
-        self._step(rec, "deploy", {live: 100, version: 0}, scores, f"verified {len(manifest.files)} files")
+        weights = {v.version: v.weight for v in m.versions} | {version: 0}
+        self._step(rec, "deploy", weights, scores, f"verified {len(manifest.files)} files")
         return rec
 
     def _verified(self, m: ModelConfig, version: str) -> Manifest:
@@ -313,19 +404,36 @@ class Controller:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _step(self, rec: PromotionRecord, phase: str, weights: dict[str, int], fig: dict[str, Any], note: str) -> None:
-        """Record a step (the record, then ``live.json``), then apply it."""
+        """Record a step (the record, then ``live.json``), then apply it. Weights keep the versions
+        adapters run on; a config that cannot be built refuses (deploy) or rolls back instead."""
+        if weights:
+            weights = self._keep_needed(rec.model, weights)
+            problem = self._unbuildable(rec.model, weights) if phase != "rollback" else None
+            if problem and phase == "deploy":
+                rec.status, rec.reason = "refused", f"refused: cannot be served: {problem}"
+                return self._step(rec, "refused", {}, {}, rec.reason)
+            if problem:
+                return self._rollback(rec, f"{phase} {weights} cannot be served: {problem}")
+            rec.live_pending = True
         rec.steps.append(StepRecord(at=self.clock(), phase=phase, weights=weights, figures=fig, note=note))
         self.control.save(rec)
         _decision(rec.model, rec.version, phase, note, fig)
         if weights:
-            self._set(rec.model, list(weights.items()))
+            self._to_live(rec)
+            self._apply()
+        return None
+
+    def _before(self, rec: PromotionRecord) -> dict[str, int]:
+        """The split that served before the promotion (its deploy step, less the new version)."""
+        deploy = next((s.weights for s in rec.steps if s.weights), {rec.previous: 100})
+        return {v: w for v, w in deploy.items() if v != rec.version} or {rec.previous: 100}
 
     def _rollback(
         self, rec: PromotionRecord, reason: str, status: str = "rolled_back", fig: dict[str, Any] | None = None
     ) -> None:
         rec.status = "aborted" if status == "aborted" else "rolled_back"
         rec.reason = reason
-        self._step(rec, "rollback", {rec.previous: 100}, fig or {}, reason)
+        self._step(rec, "rollback", self._before(rec), fig or {}, reason)
 
     def _resume(self, rec: PromotionRecord) -> None:
         """A promotion this controller did not start (it restarted): restart the step's window."""
@@ -348,12 +456,12 @@ class Controller:
             self._stepping(rec, policy)
         elif rec.status == "finishing" and self.clock() - rec.steps[-1].at >= policy.drain_seconds:
             rec.status = "promoted"
-            if rec.previous in self._needed(self.current()).get(rec.model, set()):
-                note = f"promoted; {rec.previous} kept at 0% for the adapters trained on it"
-                self._step(rec, "promoted", {rec.version: 100, rec.previous: 0}, {}, note)
+            kept = [v for v in self._keep_needed(rec.model, {rec.version: 100}) if v != rec.version]
+            if kept:
+                note = f"promoted; {', '.join(kept)} kept at 0% for the adapters trained on it"
             else:
                 note = f"promoted; {rec.previous} drained and removed"
-                self._step(rec, "promoted", {rec.version: 100}, {}, note)
+            self._step(rec, "promoted", {rec.version: 100}, {}, note)
 
     def _deploying(self, rec: PromotionRecord, policy: PromotionPolicy) -> None:
         app = self._app(rec.model, rec.version)
@@ -378,7 +486,8 @@ class Controller:
         rec.status, rec.step_index, rec.extensions = "stepping", i, 0
         rec.step_started_at = self.clock()
         rec.baseline["start"] = self._snapshot(rec.model)
-        self._step(rec, "step", {rec.previous: 100 - weight, rec.version: weight}, {}, f"{weight}% to {rec.version}")
+        weights = _split(self._before(rec), rec.previous, 100 - weight) | {rec.version: weight}
+        self._step(rec, "step", weights, {}, f"{weight}% to {rec.version}")
 
     def _window(self, rec: PromotionRecord, key: str) -> dict[str, VersionStats]:
         now = merge(self.applier.metrics_texts(), rec.model)
@@ -404,13 +513,27 @@ class Controller:
                 verdict = evaluated
         self._decide(rec, policy, verdict)
 
+    def _exclude_probes(self, rec: PromotionRecord, before: dict[str, VersionStats]) -> None:
+        """Shift the step's baseline by what the metrics counted since ``before`` (the eval's own
+        requests), so that the window after the eval holds only other traffic."""
+        start = {v: VersionStats.from_json(s) for v, s in rec.baseline.get("start", {}).items()}
+        during = {v: s.minus(start.get(v, VersionStats())) for v, s in before.items()}  # the window until then
+        after = merge(self.applier.metrics_texts(), rec.model)
+        rec.baseline["start"] = {v: s.minus(during.get(v, VersionStats())).to_json() for v, s in after.items()}
+
     def _online_eval(self, rec: PromotionRecord, policy: PromotionPolicy, verdict: Verdict) -> Verdict:
         oe = policy.online_eval
         if oe.samples == 0:
             return verdict
         manifest = self.store.manifest(rec.model, rec.version)
         claimed = manifest.eval.value(oe.metric) if manifest.eval else None
-        score = self.prober.online_eval(rec.model, rec.version, manifest, oe.samples)
+        before = merge(self.applier.metrics_texts(), rec.model)
+        try:
+            score = self.prober.online_eval(rec.model, rec.version, manifest, oe.samples)
+        except Exception as exc:  # an eval that cannot run scores nothing: it does not pass
+            log.exception("online eval of %s@%s failed: %s", rec.model, rec.version, exc)
+            return Verdict("rollback", f"online eval failed: {exc}", {**verdict.figures, "manifest_score": claimed})
+        self._exclude_probes(rec, before)
         fig = {**verdict.figures, "online_score": score, "manifest_score": claimed}
         if score is None or claimed is None:
             return Verdict("pass", verdict.reason + "; no online eval (no eval rows or no score)", fig)
@@ -434,7 +557,8 @@ class Controller:
         if rec.step_index + 1 < len(policy.steps):
             return self._go(rec, policy, rec.step_index + 1)
         rec.status = "finishing"
-        self._step(rec, "finish", {rec.version: 100, rec.previous: 0}, {}, f"draining {rec.previous}")
+        drained = {rec.version: 100} | {v: 0 for v in self._before(rec)}
+        self._step(rec, "finish", drained, {}, f"draining {', '.join(v for v in drained if v != rec.version)}")
         return None
 
 

@@ -92,10 +92,12 @@ def _normalise(text: str) -> str:
 
 
 class HttpProber:
-    """Warm-up and online-eval requests to ``model@version`` through the gateway."""
+    """Warm-up and online-eval requests to ``model@version`` through the gateway (``client``: an
+    ``httpx.Client``, whose transport a test may script)."""
 
-    def __init__(self, base_url: str, headers: dict[str, str]) -> None:
+    def __init__(self, base_url: str, headers: dict[str, str], client: httpx.Client | None = None) -> None:
         self.base_url, self.headers = base_url.rstrip("/"), headers
+        self.client = client or httpx.Client(timeout=120)
 
     def warm(self, model: str, version: str, n: int, pooling: bool = False, first_within_s: float = 30) -> None:
         """``n`` requests (embeddings for a pooling model) that must all answer 200; the first may
@@ -107,7 +109,7 @@ class HttpProber:
         deadline = time.monotonic() + first_within_s
         for i in range(n):
             while True:
-                r = httpx.post(f"{self.base_url}{path}", json=body, headers=self.headers, timeout=120)
+                r = self.client.post(f"{self.base_url}{path}", json=body, headers=self.headers, timeout=120)
                 if r.status_code == 200:
                     break
                 if i > 0 or time.monotonic() > deadline:
@@ -116,7 +118,8 @@ class HttpProber:
 
     def online_eval(self, model: str, version: str, manifest: Manifest, n: int) -> float | None:
         """Exact match on a random sample of the manifest's eval rows, greedy, answers compared
-        whitespace-insensitively with the reference (as the training job scores them)."""
+        whitespace-insensitively with the reference (as the training job scores them). None: no
+        eval rows (none named, or not readable), distinct from an eval whose requests fail (misses)."""
         uri = manifest.eval.data.uri if manifest.eval and manifest.eval.data else None
         if not uri or "#" in uri:
             return None
@@ -131,28 +134,41 @@ class HttpProber:
 
     def exact_match(self, model: str, rows: list[dict[str, Any]], workers: int = 1) -> float | None:
         """The share of ``rows`` (training-format eval rows) that ``model`` answers exactly, on
-        ``workers`` concurrent requests; None when no row could be scored."""
+        ``workers`` concurrent requests; a request that fails (an error status, a timeout) is a
+        miss. None when no row can be scored (tool-call answers are not)."""
         with ThreadPoolExecutor(workers) as pool:
             hits = list(pool.map(lambda row: self._ask(model, row), rows))
         scored = [h for h in hits if h is not None]
         return sum(scored) / len(scored) if scored else None
 
     def _ask(self, model: str, row: dict[str, Any]) -> bool | None:
-        if "prompt" in row and "completion" in row:
-            body = {"model": model, "prompt": row["prompt"], "max_tokens": 32, "temperature": 0}
-            r = httpx.post(f"{self.base_url}/v1/completions", json=body, headers=self.headers, timeout=120)
-            text = r.json()["choices"][0]["text"] if r.status_code == 200 else None
-            return None if text is None else _normalise(text) == _normalise(str(row["completion"]))
-        messages = row.get("messages") or []
-        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
-        if last < 0 or not isinstance(messages[last].get("content"), str):
-            return None  # tool-call answers are not scored online
-        body = {"model": model, "messages": messages[:last], "max_tokens": 32, "temperature": 0}
-        r = httpx.post(f"{self.base_url}/v1/chat/completions", json=body, headers=self.headers, timeout=120)
-        if r.status_code != 200:
+        question = _question(model, row)
+        if question is None:
             return None
-        answer = r.json()["choices"][0]["message"].get("content") or ""
-        return _normalise(answer) == _normalise(messages[last]["content"])
+        path, body, reference = question
+        try:
+            r = self.client.post(f"{self.base_url}{path}", json=body, headers=self.headers, timeout=120)
+            r.raise_for_status()
+            choice = r.json()["choices"][0]
+            answer = choice["text"] if "prompt" in body else choice["message"].get("content") or ""
+        except (httpx.HTTPError, ValueError, LookupError, TypeError, AttributeError) as exc:
+            logger.warning("online eval request to %s failed, counted as a miss: %s", model, exc)
+            return False
+        return _normalise(str(answer)) == _normalise(reference)
+
+
+def _question(model: str, row: dict[str, Any]) -> tuple[str, dict[str, Any], str] | None:
+    """The request (path, body) that asks ``row``'s question, and its reference answer; None for a
+    row that is not scored online (a tool-call answer)."""
+    if "prompt" in row and "completion" in row:
+        body = {"model": model, "prompt": row["prompt"], "max_tokens": 32, "temperature": 0}
+        return "/v1/completions", body, str(row["completion"])
+    messages = row.get("messages") or []
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    if last < 0 or not isinstance(messages[last].get("content"), str):
+        return None
+    body = {"model": model, "messages": messages[:last], "max_tokens": 32, "temperature": 0}
+    return "/v1/chat/completions", body, messages[last]["content"]
 
 
 def build_controller(cfg: StackConfig, base: Path | None, observe: Any = None) -> Controller:

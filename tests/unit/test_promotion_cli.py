@@ -71,3 +71,31 @@ def test_the_old_routes_file_becomes_the_record(stack: tuple[Path, Path]) -> Non
     assert "calc--v2" in [a["name"] for a in rendered["applications"]]
     live = json.loads((tmp / "ck" / ".control" / "t" / "live.json").read_text())
     assert live["models"]["calc"] == [{"version": "v2", "weight": 100}]
+
+
+@pytest.mark.parametrize("command", [["promote", "nope", "v2"], ["rollback", "nope"], ["versions", "nope"]])
+def test_a_model_the_config_does_not_name_is_a_clear_exit_2(stack: tuple[Path, Path], command: list[str]) -> None:
+    _, config = stack
+    r = _run(*command, "-c", str(config))
+    assert r.exit_code == 2, r.output
+    assert "model 'nope' is not in" in r.output and "calc" in r.output, r.output
+    assert "Traceback" not in r.output and isinstance(r.exception, SystemExit)
+
+
+@pytest.mark.parametrize(
+    ("steps", "why"), [("10,50", "invalid promotion settings: steps: Value error"), ("10,half", "invalid literal")]
+)
+def test_promote_with_invalid_settings_exits_2_before_submitting(
+    stack: tuple[Path, Path], steps: str, why: str
+) -> None:
+    tmp, config = stack
+    r = _run("promote", "calc", "v2", "-c", str(config), "--steps", steps, "--no-follow")
+    assert r.exit_code == 2 and why in r.output, r.output
+    assert not (tmp / "ck" / ".control" / "t" / "requests" / "calc.json").exists()
+
+
+def test_rollback_to_a_version_that_is_not_deployed_exits_2_before_submitting(stack: tuple[Path, Path]) -> None:
+    tmp, config = stack
+    r = _run("rollback", "calc", "--to", "v9", "-c", str(config))
+    assert r.exit_code == 2 and "calc@v9 is not deployed (calc serves v1)" in r.output, r.output
+    assert not (tmp / "ck" / ".control" / "t" / "requests" / "calc.json").exists()

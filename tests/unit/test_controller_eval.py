@@ -1,0 +1,109 @@
+"""The promotion controller's online eval: its prompts are not the canary's traffic, and an eval
+whose requests fail does not pass (HttpProber against a scripted gateway, httpx.MockTransport)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from serving.control.controller_app import HttpProber
+from serving.registry import Manifest
+from tests.unit.test_controller import Clock, Cluster, _cfg, _controller, _publish, _run
+
+
+class Probing(Cluster):
+    """Each online-eval prompt is a request the metrics count, as the gateway's are."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self.evals: list[str] = []
+
+    def online_eval(self, model: str, version: str, manifest: Manifest, n: int) -> float | None:
+        self.evals.append(version)
+        self.totals.setdefault((model, version), [0.0, 0.0, 0.0])[0] += n
+        return super().online_eval(model, version, manifest, n)
+
+
+def test_the_online_eval_prompts_do_not_count_as_canary_traffic(tmp_path: Path) -> None:
+    (tmp_path / "ck").mkdir()
+    clock = Clock()
+    cluster = Probing(clock)
+    ctl = _controller(tmp_path, _cfg(), clock, cluster)
+    _publish(tmp_path / "ck", "calc", "v2")
+    cluster.per_tick = {"v1": (10, 0, 0.05), "v2": (0, 0, 0.05)}  # no user sends to v2
+    _run(ctl, clock, 25)
+    (rec,) = ctl.control.history("calc")
+    assert [s.phase for s in rec.steps] == ["deploy", "step", "extend", "extend", "rollback"]
+    assert rec.status == "rolled_back" and "0 requests to the new version, fewer than 5" in rec.reason
+    assert cluster.evals == ["v2"]  # the eval ran (20 prompts to v2) once, in the first window
+
+
+def test_an_eval_that_raises_rolls_back_once_instead_of_running_again(tmp_path: Path) -> None:
+    (tmp_path / "ck").mkdir()
+    clock = Clock()
+    cluster = Cluster(clock)
+    calls: list[str] = []
+
+    def unreachable(model: str, version: str, manifest: Manifest, n: int) -> float | None:
+        calls.append(version)
+        raise httpx.ConnectTimeout("gateway did not answer")
+
+    cluster.online_eval = unreachable  # type: ignore[method-assign]
+    ctl = _controller(tmp_path, _cfg(), clock, cluster)
+    _publish(tmp_path / "ck", "calc", "v2")
+    _run(ctl, clock, 15)
+    (rec,) = ctl.control.history("calc")
+    assert rec.status == "rolled_back" and rec.reason == "at 10%: online eval failed: gateway did not answer"
+    assert calls == ["v2"] and cluster.weights() == [("v1", 100)]
+
+
+def _manifest(tmp_path: Path, rows: list[dict[str, Any]] | None) -> Manifest:
+    data = None
+    if rows is not None:
+        (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        data = {"uri": str(tmp_path / "eval.jsonl"), "sha256": "0" * 64, "rows": len(rows), "format": "completion"}
+    return Manifest.model_validate(
+        {"model": "calc", "version": "v2", "eval": {"metrics": {"exact_match": 0.9}, "n": 3, "data": data},
+         "files": {}, "created_at": "2026-11-30T00:00:00Z"}
+    )  # fmt: skip
+
+
+ROWS = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(4)]
+
+
+def _gateway(answer: Any) -> HttpProber:
+    def handle(request: httpx.Request) -> httpx.Response:
+        return answer(json.loads(request.content))  # type: ignore[no-any-return]
+
+    return HttpProber("http://gateway", {}, httpx.Client(transport=httpx.MockTransport(handle)))
+
+
+def _right(body: dict[str, Any]) -> httpx.Response:
+    return httpx.Response(200, json={"choices": [{"text": str(int(body["prompt"].split("+")[0]) + 1)}]})
+
+
+def _error(body: dict[str, Any]) -> httpx.Response:
+    return httpx.Response(500, json={"error": {"message": "engine dead"}})
+
+
+def _timeout(body: dict[str, Any]) -> httpx.Response:
+    raise httpx.ReadTimeout("no answer in 120s")
+
+
+def _half(body: dict[str, Any]) -> httpx.Response:
+    return _right(body) if body["prompt"] in ("0+1=", "1+1=") else _error(body)
+
+
+@pytest.mark.parametrize(("answer", "score"), [(_right, 1.0), (_error, 0.0), (_timeout, 0.0), (_half, 0.5)])
+def test_a_failed_eval_request_is_a_miss(tmp_path: Path, answer: Any, score: float) -> None:
+    assert _gateway(answer).online_eval("calc", "v2", _manifest(tmp_path, ROWS), 10) == score
+
+
+def test_no_eval_rows_is_no_score_whatever_the_gateway(tmp_path: Path) -> None:
+    assert _gateway(_error).online_eval("calc", "v2", _manifest(tmp_path, None), 10) is None
+    tool_calls = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": []}]}]
+    assert _gateway(_error).online_eval("calc", "v2", _manifest(tmp_path, tool_calls), 10) is None
