@@ -99,24 +99,30 @@ class Endpoint:
 BlockKey = int  # 64 bits of a block's chained hash
 
 
-def chain_key(parent: BlockKey | None, adapter: str | None, tokens: Sequence[int]) -> BlockKey:
+def chain_key(parent: BlockKey | None, adapter: str | None, tokens: Sequence[int], salt: str | None = None) -> BlockKey:
     """The key of one full KV block: a hash of the previous block's key, the LoRA adapter the
-    engine computed it for (vLLM keeps an adapter's blocks apart) and the block's token ids."""
+    engine computed it for (vLLM keeps an adapter's blocks apart), the block's token ids and, for
+    a sequence's first block, the request's ``cache_salt`` (vLLM hashes it into that block only,
+    and the chain carries it to the rest)."""
     h = hashlib.blake2b(digest_size=8)
     h.update((parent or 0).to_bytes(8, "little"))
     h.update((adapter or "").encode())
     h.update(b"\x00")
     h.update(array("q", tokens).tobytes())
+    if salt:
+        h.update(b"\x01" + salt.encode())
     return int.from_bytes(h.digest(), "little")
 
 
-def block_keys(tokens: Sequence[int], block_size: int, adapter: str | None = None) -> list[BlockKey]:
+def block_keys(
+    tokens: Sequence[int], block_size: int, adapter: str | None = None, salt: str | None = None
+) -> list[BlockKey]:
     """The keys of the full blocks of a prompt's tokens, in order (a partial last block is not
-    cached by the engine, so it has none)."""
+    cached by the engine, so it has none); ``salt``: the request's ``cache_salt``."""
     keys: list[BlockKey] = []
     parent: BlockKey | None = None
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = chain_key(parent, adapter, tokens[start : start + block_size])
+        parent = chain_key(parent, adapter, tokens[start : start + block_size], salt if parent is None else None)
         keys.append(parent)
     return keys
 

@@ -134,6 +134,9 @@ class AgentRequest:
     def with_body(self, body: dict[str, Any]) -> AgentRequest:
         return replace(self, body=body, changed=True)
 
+    def salted(self, salt: str) -> AgentRequest:
+        return self.with_body({**self.body, "cache_salt": salt}) if self.kind in _GENERATES else self
+
     def upstream_body(self, name: str) -> bytes:
         if self.body.get("model") == name and not self.changed:
             return self.raw

@@ -8,6 +8,7 @@ Route handlers stay thin: parse, authenticate, resolve, call :meth:`GatewayCore.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -35,12 +36,23 @@ from serving.gateway.splice import Splice, spliced
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["NO_PROMPT", "Exchange", "GatewayCore"]
+__all__ = ["NO_PROMPT", "Exchange", "GatewayCore", "tenant_cache_salt"]
 
 # tokenize and detokenize need only a model's tokenizer, which a pooling model has too
 TOKENIZER_KINDS = frozenset({"tokenize", "detokenize"})
 KV_INLINE_BYTES = 32_768  # router kv_aware: a larger body is tokenized off the event loop
 NO_PROMPT = "\x00"  # the prefix-affinity hint of a request with no leading text
+
+
+def tenant_cache_salt(tenant: str, client: str | None = None) -> str:
+    """vLLM's ``cache_salt`` for a tenant's request (``client``: the salt the client sent, which
+    keeps its own requests apart within the tenant). A client cannot send another tenant's:
+    the gateway replaces every salt, and engines answer only the gateway."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(tenant.encode())
+    h.update(b"\x00")
+    h.update((client or "").encode())
+    return "t" + h.hexdigest()
 
 
 class Exchange:
@@ -66,6 +78,7 @@ class Exchange:
         self.in_flight, self.quota, self.metrics = in_flight, quota, metrics
         self.ticket, self.reserved = ticket, reserved  # the TPM reservation, settled in finish
         self.model, self.version = resolved.model.name, resolved.version.version
+        self.pinned = resolved.pinned
         self.started = time.monotonic()
         self.first_at: float | None = None
         self.last_at = self.started
@@ -125,7 +138,7 @@ class Exchange:
         m = self.metrics
         if m is None:
             return
-        tags = m.tags(self.model, self.version, self.tenant.name)
+        tags = m.tags(self.model, self.version, self.tenant.name, self.pinned)
         m.requests.inc(tags={**tags, "status_class": f"{status // 100}xx"})
         m.api_requests.inc(tags={"api": self.parsed.kind, **tags, "status_class": f"{status // 100}xx"})
         m.e2e.observe(time.monotonic() - self.started, tags=tags)
@@ -250,6 +263,7 @@ class GatewayCore:
     ) -> tuple[UpstreamResult, dict[str, str]]:
         """Admit (quota, shedding), forward with failover; returns the result and extra headers."""
         self.check_runner(parsed, resolved, path)
+        parsed = self._salted(parsed, tenant)
         if parsed.n > self.settings.max_n:
             raise InvalidRequest(f"'n' must be at most {self.settings.max_n}, got {parsed.n}", param="n")
         tpm = tenant.tpm if parsed.bills_tokens else None  # tokenize & co. count as requests only
@@ -320,6 +334,19 @@ class GatewayCore:
         if splice is not None and result.stream is not None:
             result = spliced(result, splice)
         return result, limit_headers
+
+    def _salted(self, parsed: Forwardable, tenant: Tenant) -> Forwardable:
+        """The request with the ``cache_salt`` its tenant's prefix-cache scope gives it: under
+        ``prefix_cache_scope: tenant`` one derived from the tenant's name and the client's own
+        salt, so the engines never reuse one tenant's cached blocks for another's request (a
+        shorter time to first token would tell that the prompt was sent before); under
+        ``shared`` the client's salt as sent."""
+        client = parsed.body.get("cache_salt")
+        if client is not None and (not isinstance(client, str) or not client):
+            raise InvalidRequest("'cache_salt' must be a non-empty string", param="cache_salt")
+        if self.settings.prefix_cache_scope == "shared":
+            return parsed
+        return parsed.salted(tenant_cache_salt(tenant.name, client))
 
     def _splice(
         self, parsed: ParsedRequest, resolved: Resolved, exchange: Exchange, path: str, rid: str, leaser: Leaser

@@ -151,7 +151,8 @@ class KVFeeds:
             return None
         try:
             tokens = prompts.tokens(kind, body)
-            return tuple(block_keys(tokens, size, adapter)) if tokens else None
+            salt = body.get("cache_salt")
+            return tuple(block_keys(tokens, size, adapter, salt if isinstance(salt, str) else None)) if tokens else None
         except Exception:  # noqa: BLE001 - the engine will say what is wrong with it; route by load
             return None
 

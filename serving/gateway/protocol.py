@@ -8,7 +8,7 @@ is validated by vLLM itself, whose 4xx answers are normalised by :func:`normaliz
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -75,6 +75,11 @@ class Forwardable(Protocol):
 
     def upstream_body(self, name: str) -> bytes: ...
 
+    def salted(self, salt: str) -> Forwardable:
+        """This request with vLLM's ``cache_salt`` set to ``salt`` where it computes a prompt's
+        KV blocks (a generating request); unchanged otherwise."""
+        ...
+
     def tap(self) -> Tap | None: ...
 
     def tokens(self, usage: dict[str, Any]) -> tuple[int, int]: ...
@@ -96,6 +101,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    changed: bool = False  # the body was rewritten (cache_salt set): re-encode it
 
     def prompt_text(self, limit: int = 4096) -> str:
         """Leading prompt text, only for prefix-affinity routing (never logged)."""
@@ -114,6 +120,11 @@ class ParsedRequest:
     @property
     def n(self) -> int:
         return int(self.body.get("n") or 1)
+
+    def salted(self, salt: str) -> ParsedRequest:
+        if self.kind == "embedding":
+            return self
+        return replace(self, body={**self.body, "cache_salt": salt}, changed=True)
 
     @property
     def error_shape(self) -> ErrorShape:
@@ -154,7 +165,7 @@ class ParsedRequest:
         want = ("include_usage",) if token_ids else ("include_usage", "continuous_usage_stats")
         force_usage = self.stream and not all(so.get(k) for k in want)
         force_ids = token_ids and not self.body.get("return_token_ids")
-        if self.body.get("model") == name and not force_usage and not force_ids:
+        if self.body.get("model") == name and not force_usage and not force_ids and not self.changed:
             return self.raw
         body = {**self.body, "model": name}
         if force_ids:
@@ -376,7 +387,7 @@ def decode_body(raw: bytes) -> tuple[dict[str, Any], str | None]:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
-    except RecursionError:  # found by tests/integration/test_fuzz.py: "[[[[...]]]]" was a 500
+    except RecursionError:  # "[[[[...]]]]" deeper than msgspec recurses (tests/integration/test_fuzz.py)
         raise InvalidRequest("The request body is nested too deeply.") from None
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object")

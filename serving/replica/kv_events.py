@@ -132,9 +132,11 @@ class BlockLedger:
                 self.unkeyed += len(hashes)
                 return []
         adapter = ev.get("lora_name")
+        # a sequence's first block carries the request's cache_salt among its extra keys
+        salt = _salt((ev.get("extra_keys") or [None])[0], adapter) if parent_hash is None else None
         added = []
         for i, h in enumerate(hashes):
-            parent = chain_key(parent, adapter, tokens[i * size : (i + 1) * size])
+            parent = chain_key(parent, adapter, tokens[i * size : (i + 1) * size], salt if i == 0 else None)
             if h in self._keys:
                 continue
             self._keys[h] = parent
@@ -150,6 +152,16 @@ class BlockLedger:
             return False
         self._held.pop(key, None)
         return True
+
+
+def _salt(extra: Any, adapter: str | None) -> str | None:
+    """The ``cache_salt`` among a block's extra keys as vLLM publishes them: the adapter's name
+    first (when it has one), then multimodal ``[id, offset]`` pairs, the salt, prompt-embedding
+    digests (bytes)."""
+    items = list(extra) if isinstance(extra, (list, tuple)) else []
+    if adapter and items and items[0] == adapter:
+        items = items[1:]
+    return next((k for k in items if isinstance(k, str)), None)
 
 
 def _lines(block_size: int, added: list[BlockKey], removed: list[BlockKey], reset: bool = False) -> bytes:

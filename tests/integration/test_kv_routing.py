@@ -1,15 +1,18 @@
 """router: kv_aware on the running stack: the gateways route a repeated long prefix to the replica
 whose engine reports the prefix-cache hits, from the engines' own KV events; an adapter's blocks
-carry its name in the engine's events as in the gateway's keys."""
+carry its name in the engine's events as in the gateway's keys, and the tenant's cache salt too;
+one tenant's cached prefix is never reused for another tenant's request."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
 
 from serving.contract import Record
+from serving.gateway.core import tenant_cache_salt
 from serving.gateway.kv_index import KVFeeds
 from serving.metrics import parse_prometheus_values
 from tests.conftest import Stack
@@ -74,7 +77,8 @@ async def _engine_state(records: list[Record], system: str, adapter: str) -> dic
     ``adapter`` and keyed as the base's."""
     feeds = KVFeeds()
     feeds.sync(records)
-    body = _body(system, "1-1=")
+    # as the gateway sends it: with the cache salt of the tenant whose requests filled the cache
+    body = _body(system, "1-1=") | {"cache_salt": tenant_cache_salt("main")}
     try:
         for _ in range(600):
             keys = feeds.keys(APP, "chat", body, adapter)
@@ -109,3 +113,35 @@ def test_an_adapters_blocks_carry_its_name_in_the_engines_events_and_the_gateway
     state = asyncio.run(_engine_state(records, system, "kv-lora@v1"))
     assert state[served[0]][0] >= 2, state  # the engine's events, keyed with the adapter's name
     assert all(base == 0 for _, base in state.values()), state  # never as the base's blocks
+
+
+def test_one_tenants_cached_prefix_is_not_reused_for_another_tenants_request(stack: Stack) -> None:
+    """Two tenants send the same long prompt to the same engine (one session, so one replica of
+    ``adder``): the second tenant's request finds none of the first's blocks in the engine's cache
+    (its time to first token cannot tell that the prompt was sent before), while the first
+    tenant's own repeat finds them all."""
+    records = {r["replica"]: r for r in ray_run(stack, RECORDS) if r["app"] == "adder--v1"}
+    system = "Tenant note: the vault code is 4417; you add two numbers and answer with the sum only. " * 10
+
+    def chat(tenant: str) -> str:
+        for _ in range(4):  # the limited tenant allows 4 requests per 10 s window
+            r = httpx.post(
+                f"{stack.url}/v1/chat/completions",
+                json=_body(system, "2+2=", model="adder"),
+                headers=stack.headers(tenant) | {"x-session-id": "cache-salt-test"},
+                timeout=120,
+            )
+            if r.status_code != 429:
+                break
+            time.sleep(float(r.headers.get("retry-after", "2")))
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 2 * 128  # at least two full CPU blocks
+        return r.headers["x-replica"]
+
+    replica = chat("main")
+    hits = [_counters(records[replica])[HITS[0]]]
+    for tenant in ("limited", "main"):
+        assert chat(tenant) == replica  # the session keeps both on one engine
+        hits.append(_counters(records[replica])[HITS[0]])
+    assert hits[1] - hits[0] < 128, hits  # the other tenant: not one block of main's prompt
+    assert hits[2] - hits[1] >= 2 * 128, hits  # main's own repeat: its prompt's blocks

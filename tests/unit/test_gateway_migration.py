@@ -156,7 +156,7 @@ class Counted:
         self.outcomes: list[str] = []
         self.tokens: dict[str, float] = {}
 
-    def tags(self, model: str, version: str, tenant: str) -> dict[str, str]:
+    def tags(self, model: str, version: str, tenant: str, pinned: bool = False) -> dict[str, str]:
         return {"model": model, "version": version, "tenant": tenant}
 
     def __getattr__(self, name: str) -> Any:
@@ -218,8 +218,11 @@ async def test_a_broken_stream_is_continued_as_if_uninterrupted(kind: str, how: 
         body = {**rec["request"], "stream": True}
         out = await _post(c, kind, body)
     assert got_a[0]["return_token_ids"] is True  # asked for, so the stream can be continued
-    # the continuation: the original prompt's ids and the ids sent, the rest of the limit
-    assert got_b == [{**rec["continuation_request"], "stream": True, "stream_options": got_b[0]["stream_options"]}]
+    # the continuation: the original prompt's ids and the ids sent, the rest of the limit, and the
+    # tenant's cache salt (the continued prompt's blocks stay the tenant's)
+    salt = {"cache_salt": got_a[0]["cache_salt"]}
+    want = {**rec["continuation_request"], **salt, "stream": True, "stream_options": got_b[0]["stream_options"]}
+    assert got_b == [want]
     # the client did not ask for usage: the recording's final usage event is not expected
     plain = "\n\n".join(e for e in _events(rec["plain"]) if '"choices":[],' not in e)
     assert _summary(out) == _summary(plain)
@@ -239,7 +242,8 @@ async def test_chat_continues_before_tokens_whose_text_a_parser_may_hold_back() 
         _gateway(a, b) as (c, _),
     ):
         out = await _post(c, "chat", {**rec["request"], "stream": True, "stream_options": {"include_usage": True}})
-    assert got_b == [{**rec["bare_request"], "stream": True, "stream_options": got_b[0]["stream_options"]}]
+    salt = {"cache_salt": got_b[0]["cache_salt"]}
+    assert got_b == [{**rec["bare_request"], **salt, "stream": True, "stream_options": got_b[0]["stream_options"]}]
     assert _summary(out) == _summary(rec["plain"])
     final = [e for e in _normalized(out) if isinstance(e, dict) and not e["choices"]]
     assert final[0]["usage"]["completion_tokens"] == rec["request"]["max_tokens"]

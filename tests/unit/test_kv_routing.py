@@ -67,6 +67,40 @@ def test_an_adapters_blocks_are_keyed_apart_from_the_bases() -> None:
     assert chain_key(None, None, tokens) == block_keys(tokens, BS)[0]
 
 
+def test_a_requests_cache_salt_keys_its_blocks_as_vllm_publishes_it() -> None:
+    """vLLM hashes ``cache_salt`` into a sequence's first block and publishes it, untagged, among
+    that block's extra keys (after the adapter's name): the ledger's keys must be the gateway's."""
+    from vllm.v1.core.kv_cache_utils import to_event_extra_keys
+
+    tokens = list(range(3 * BS))
+    salted = block_keys(tokens, BS, "sub-lora@v1", salt="t1234")
+    assert salted != block_keys(tokens, BS, "sub-lora@v1") and salted != block_keys(tokens, BS, "sub-lora@v1", "t9")
+    extra = to_event_extra_keys([(("lora", "sub-lora@v1"), ("cache_salt", "t1234")), None, None])
+    ledger = BlockLedger()
+    added = ledger.apply([_stored([1, 2, 3], tokens, lora="sub-lora@v1") | {"extra_keys": extra}])["add"]
+    assert added == salted
+    # the base's blocks with a salt and no adapter; a later store chained on them needs no salt
+    plain = BlockLedger()
+    first = plain.apply([_stored([4], tokens[:BS]) | {"extra_keys": to_event_extra_keys([(("cache_salt", "t1"),)])}])
+    later = plain.apply([_stored([5, 6], tokens[BS:], parent=4) | {"extra_keys": [None, None]}])
+    assert first["add"] + later["add"] == block_keys(tokens, BS, salt="t1")
+
+
+def test_the_gateways_keys_include_the_requests_cache_salt() -> None:
+    feeds = KVFeeds()
+    feeds.index.block_size["m--v1"] = BS
+
+    class Words:
+        def tokens(self, kind: str, body: dict) -> list[int]:
+            return list(range(2 * BS))
+
+    feeds._prompts["m--v1"] = Words()  # type: ignore[assignment]
+    assert feeds.keys("m--v1", "chat", {"cache_salt": "tA"}, None) == tuple(
+        block_keys(list(range(2 * BS)), BS, None, "tA")
+    )
+    assert feeds.keys("m--v1", "chat", {}, None) == tuple(block_keys(list(range(2 * BS)), BS))
+
+
 def test_index_counts_leading_blocks_held_or_lately_routed() -> None:
     keys = block_keys(list(range(16)), BS)  # 4 blocks
     index = KVIndex(pending_s=5)
