@@ -26,7 +26,9 @@ __all__ = [
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2, 5, 10, 30, 60]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2]
 E2E_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600]
-REQ_KEYS = ("model", "version", "tenant")
+# routed: split (the version was drawn by the model's traffic split) or pinned (the client named
+# ``model@version``); a canary is judged on split traffic only (serving.control.watch)
+REQ_KEYS = ("model", "version", "tenant", "routed")
 
 
 class GatewayMetrics:
@@ -61,7 +63,9 @@ class GatewayMetrics:
             "raystack_rate_limited", "Requests refused by a tenant limit.", tag_keys=("tenant", "limit")
         )
         self.shed = m.Counter(
-            "raystack_shed", "Requests refused because a model's queue was full.", tag_keys=("model", "tenant")
+            "raystack_shed",
+            "Low-priority requests refused while their model was busy on this gateway replica.",
+            tag_keys=("model", "tenant"),
         )
         self.retries = m.Counter(
             "raystack_retries", "Requests retried on another replica.", tag_keys=("model", "version")
@@ -80,15 +84,15 @@ class GatewayMetrics:
             "Requests answered by the gateway, by API.",
             tag_keys=("api", *keys, "status_class"),
         )
-        # ``op``: put | get | delete | cancel; ``result``: ok | missing | too_large | error
+        # ``op``: put | get | delete; ``result``: ok | missing | too_large | error
         self.response_store = m.Counter(
             "raystack_response_store_ops",
             "Operations on the gateway's store of Responses API responses.",
             tag_keys=("op", "tenant", "result"),
         )
 
-    def tags(self, model: str, version: str, tenant: str) -> dict[str, str]:
-        return {"model": model, "version": version, "tenant": tenant}
+    def tags(self, model: str, version: str, tenant: str, pinned: bool = False) -> dict[str, str]:
+        return {"model": model, "version": version, "tenant": tenant, "routed": "pinned" if pinned else "split"}
 
 
 class EngineMetrics:

@@ -65,6 +65,8 @@ def parse_stats(text: str, model: str) -> dict[str, VersionStats]:
     for name, labels, value in samples(text, "raystack_"):
         if labels.get("model") != model or "version" not in labels:
             continue
+        if labels.get("routed") == "pinned":  # sent to model@version by a client (or the controller's own
+            continue  # eval and warm-up): a tenant could aim it at a canary to pass or fail it
         s = out.setdefault(labels["version"], VersionStats())
         base = name.removeprefix("ray_")
         if base in ("raystack_requests_total", "raystack_requests"):

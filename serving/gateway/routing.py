@@ -87,6 +87,7 @@ class GatewayRoutes(_Wire):
 class Resolved:
     model: ModelRoute
     version: VersionRoute
+    pinned: bool = False  # named as ``name@version``, not drawn by the traffic split
 
 
 @dataclass
@@ -134,7 +135,7 @@ class RoutingTable:
                     param="model",
                     code="model_not_found",
                 )
-            return Resolved(model, chosen)
+            return Resolved(model, chosen, pinned=True)
         return Resolved(model, self._weighted(model, rng or random))
 
     @staticmethod

@@ -37,6 +37,20 @@ def test_parse_stats_and_percentiles_from_the_buckets() -> None:
     assert percentile(s["v1"], 0.99) == 0.5  # in +Inf: the last finite bound
 
 
+def test_a_canary_is_judged_on_the_traffic_its_split_sent_not_on_requests_that_named_it() -> None:
+    """A tenant that sends model@canary (slow prompts to fail it, many quick ones to pass it) and
+    the controller's own eval and warm-up requests are counted apart (``routed="pinned"``)."""
+    pinned = (
+        'ray_raystack_requests_total{model="calc",routed="pinned",status_class="5xx",tenant="t",version="v2"} 50.0\n'
+        'ray_raystack_requests_total{model="calc",routed="split",status_class="2xx",tenant="t",version="v2"} 4.0\n'
+        'ray_raystack_time_to_first_token_seconds_bucket{model="calc",routed="pinned",tenant="t",version="v2",le="+Inf"}'
+        " 50.0\n"
+        'ray_raystack_time_to_first_token_seconds_count{model="calc",routed="pinned",tenant="t",version="v2"} 50.0\n'
+    )
+    s = parse_stats(METRICS + pinned, "calc")
+    assert s["v2"].requests == 9 and s["v2"].errors == 0 and s["v2"].ttft_count == 0
+
+
 def _stats(n: float, errors: float, ttft: float) -> VersionStats:
     return VersionStats(n, errors, n, {0.05: n if ttft <= 0.05 else 0, 1.0: n if ttft <= 1 else 0, float("inf"): n})
 
