@@ -32,6 +32,7 @@ import msgspec
 
 from serving.config import ResponseStoreConfig
 from serving.errors import Unavailable, unavailable
+from serving.gateway.admission.quota import ON_HEAD
 
 logger = logging.getLogger("serving.gateway")
 
@@ -171,6 +172,7 @@ class ResponseStore:
                     lifetime="detached",
                     get_if_exists=True,
                     num_cpus=0,
+                    resources=ON_HEAD,
                     max_restarts=-1,
                     max_task_retries=-1,
                 )

@@ -685,3 +685,29 @@ def test_optional_components_open_only_what_they_need(overlay: str) -> None:
     incremental = rs["spec"]["upgradeStrategy"]["type"] == "NewClusterWithIncrementalUpgrade"
     assert flow(policies, dataplane, serving["worker"], 8000) is incremental
     assert not flow(policies, dataplane, serving["head"], DASHBOARD)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_promotion_controller_is_placed_on_the_promotion_pod(overlay: str) -> None:
+    """The promotion pod holds a Kubernetes API token and write access to the store: it offers Ray
+    no CPU and no GPU, so every other Serve replica (gateways parse untrusted input) needs a
+    resource it does not have; the controller asks for the group's own resource; the gateway's
+    zero-CPU actors go to the head."""
+    from serving.gateway.admission.quota import ON_HEAD
+
+    (rs,) = of_kind(overlay, "RayService")
+    (promotion,) = [g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "promotion"]
+    assert _pod_capacity(promotion) == {"CPU": 0.0, "GPU": 0.0}
+    serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    for app in serve["applications"]:
+        for d in app["deployments"]:
+            options = d.get("ray_actor_options", {})
+            if app["name"] == "promotion-controller":
+                assert options == {"num_cpus": 0, "resources": {"raystack-promotion": 1}}
+                continue
+            bundles = d.get("placement_group_bundles") or [
+                {"CPU": options.get("num_cpus", 1), "GPU": options.get("num_gpus", 0)}
+            ]
+            need = sum(float(b.get("CPU", 0)) + float(b.get("GPU", 0)) for b in bundles)
+            assert need > 0, f"{app['name']}/{d['name']} could be placed on the promotion pod"
+    assert ON_HEAD == {"node:__internal_head__": 0.001}  # Ray's own head-node resource

@@ -37,9 +37,14 @@ from serving.errors import RateLimited, Unavailable
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["Admission", "QuotaActor", "QuotaClient", "WindowCounter", "rate_limit_headers"]
+__all__ = ["ON_HEAD", "Admission", "QuotaActor", "QuotaClient", "WindowCounter", "rate_limit_headers"]
 
 CHECKPOINT_KEY = "quota/state"
+# Where the gateway's shared actors (quota, stored responses) run: on the Ray head, through its
+# head-node resource, as Ray Train places its state actor. Zero-CPU actors could otherwise land on
+# any node, the promotion controller's pod among them (its Kubernetes API token, its write access
+# to the store).
+ON_HEAD = {"node:__internal_head__": 0.001}
 CHECKPOINT_S = 0.5
 
 
@@ -255,6 +260,7 @@ class QuotaClient:
                     lifetime="detached",
                     get_if_exists=True,
                     num_cpus=0,
+                    resources=ON_HEAD,
                     max_restarts=-1,
                 )
                 .remote()
