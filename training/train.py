@@ -141,11 +141,14 @@ def _checkpoints(store: CheckpointStore, run: str) -> list[str]:
 
 
 def _init_ray(workers: int, ray_address: str | None) -> Callable[[], None] | None:
-    """Connect to (or start) Ray; returns how to stop it when this call started it."""
+    """Connect to (or start) Ray; returns how to stop it when this call started it.
+
+    Ray reads its authentication mode and whether its node may take a network address when it is
+    first imported, so the job starts a private instance (token authentication, loopback only)
+    only in a process that has not imported Ray yet: the CLI, the subprocess ``serving up`` runs.
+    In any other process it uses the Ray already initialised there, or the one at ``ray_address``
+    (``RAY_ADDRESS``), and refuses to start one (:func:`_refuse_private_ray`)."""
     address = ray_address or os.environ.get("RAY_ADDRESS")
-    # Ray reads its authentication mode when it is first imported, so a private instance gets
-    # token authentication only in a process that has not imported Ray yet (the CLI, and the
-    # subprocess `serving up` runs); otherwise it starts without the dashboard, as before.
     fresh = "ray" not in sys.modules
     restore = _private_ray_auth() if fresh and not address else None
     if fresh and address and address.split("://")[-1].rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
@@ -157,6 +160,7 @@ def _init_ray(workers: int, ray_address: str | None) -> Callable[[], None] | Non
     if address:
         ray.init(address=address, log_to_driver=True)
         return ray.shutdown
+    _refuse_private_ray(fresh)
     # Logical CPUs: one per rank plus headroom; each rank sets its own torch thread count. No
     # dashboard and no job API: nothing but this process uses the instance (_private_trainer).
     num_cpus = max(workers + 1, os.cpu_count() or 1)
@@ -174,6 +178,19 @@ def _init_ray(workers: int, ray_address: str | None) -> Callable[[], None] | Non
             restore()
 
     return stop
+
+
+def _refuse_private_ray(fresh: bool) -> None:
+    """Raise unless this process imported Ray only after :func:`_private_ray_auth` set its
+    environment: a Ray started here otherwise has no token authentication, and its daemons and
+    metrics ports listen on the machine's network address."""
+    if not fresh:
+        raise TrainingError(
+            "this process imported Ray before the training job could set up its private Ray "
+            "(token authentication, loopback only, which Ray reads when first imported); pass "
+            "ray_address (or set RAY_ADDRESS) to train on a running cluster, or run the job in a "
+            "process of its own: python -m training.train"
+        )
 
 
 def _set_environ(values: Mapping[str, str | None]) -> Callable[[], None]:

@@ -5,7 +5,9 @@ id (``org/name``). A remote source is downloaded into a temporary folder first; 
 published like a trained version (:meth:`CheckpointStore.publish`: sha256 and size of every file,
 ``architecture`` from ``config.json``, the manifest last), with ``base`` saying where it came from
 and no ``eval``. Hidden entries (``.git``, ``.cache``) are left out. A version that exists is
-refused before anything is downloaded: versions are immutable.
+refused before anything is downloaded: versions are immutable. A URI is logged, recorded as
+``base.ref`` and quoted in errors in :func:`serving.registry.redact_uri`'s form: no
+``user:password@``, no query string (a presigned URL's signature, a SAS token).
 
 A symlink in the folder is imported as the file it points to when that file is inside the folder,
 or, for a Hugging Face cache snapshot (``<repo>/snapshots/<rev>/``, whose files link to
@@ -26,9 +28,9 @@ from typing import Literal
 
 import fsspec
 
-from serving.registry import CheckpointStore, Manifest, VersionExists, check_name
+from serving.registry import CheckpointStore, Manifest, VersionExists, check_name, redact_uri
 
-__all__ = ["ImportFailed", "import_model", "source_kind"]
+__all__ = ["ImportFailed", "import_model", "source_kind", "source_ref"]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -92,15 +94,19 @@ def _stage(folder: Path, into: Path) -> Path:
 
 
 def _fetch_uri(uri: str, into: Path) -> Path:
-    fs, path = fsspec.core.url_to_fs(uri)
-    path = path.rstrip("/")
-    if not fs.isdir(path):
-        raise ImportFailed(f"{uri}: no such folder")
-    for full in fs.find(path):
-        rel = full[len(path) :].lstrip("/")
-        if _visible(Path(rel)):
-            (into / rel).parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(full, str(into / rel))
+    try:
+        fs, path = fsspec.core.url_to_fs(uri)
+        path = path.rstrip("/")
+        if not fs.isdir(path):
+            raise ImportFailed(f"{redact_uri(uri)}: no such folder")
+        for full in fs.find(path):
+            rel = full[len(path) :].lstrip("/")
+            if _visible(Path(rel)):
+                (into / rel).parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(full, str(into / rel))
+    except (OSError, ValueError, ImportError) as exc:  # the store's own errors may quote the URI
+        reason = redact_uri(" ".join(str(exc).split()))
+        raise ImportFailed(f"cannot download {redact_uri(uri)} ({type(exc).__name__}: {reason})") from None
     return into
 
 
@@ -110,7 +116,7 @@ def _fetch_hub(repo_id: str, into: Path) -> Path:
 
         return Path(snapshot_download(repo_id, cache_dir=str(into)))
     except Exception as exc:  # noqa: BLE001 - offline, unknown repo, gated: all end the import
-        reason = " ".join(str(exc).split())  # one line: hub errors span several
+        reason = redact_uri(" ".join(str(exc).split()))  # one line: hub errors span several
         raise ImportFailed(
             f"cannot download {repo_id} from the Hugging Face hub ({type(exc).__name__}: {reason}); "
             "without hub access, download it where there is one and import the folder"
@@ -129,16 +135,23 @@ def import_model(
             version=version,
         )
     kind = source_kind(source)
+    ref = source_ref(source, kind)
     with tempfile.TemporaryDirectory(prefix="raystack-import-") as tmp:
         if kind == "folder":
             folder = _stage(_check_links(Path(source)), Path(tmp) / "staged")
         elif kind == "uri":
-            log(f"downloading {source} ...")
+            log(f"downloading {ref} ...")
             folder = _fetch_uri(source, Path(tmp) / "staged")
         else:
-            log(f"downloading {source} from the Hugging Face hub ...")
+            log(f"downloading {ref} from the Hugging Face hub ...")
             folder = _check_links(_fetch_hub(source, Path(tmp) / "hub"))
         if not (folder / "config.json").is_file():
-            raise ImportFailed(f"{source}: not a Hugging Face model folder (no config.json)")
-        ref = str(Path(source).resolve()) if kind == "folder" else source
+            raise ImportFailed(f"{redact_uri(source)}: not a Hugging Face model folder (no config.json)")
         return store.publish(folder, {"model": model, "version": version, "base": {"source": kind, "ref": ref}})
+
+
+def source_ref(source: str, kind: Literal["folder", "uri", "hub"]) -> str:
+    """Where a version came from, as its manifest records it (``base.ref``) and the import's log
+    lines and errors name it: a folder's absolute path, a URI without its user info and query
+    string (:func:`serving.registry.redact_uri`), a hub id as it is."""
+    return str(Path(source).resolve()) if kind == "folder" else redact_uri(source)

@@ -250,7 +250,7 @@ def _model_application(
         startup_timeout_s=m.deployment.startup_timeout_s,
         stall_timeout_s=m.deployment.stall_timeout_s,
         shutdown_grace_s=cfg.shutdown.grace_s,
-        secret_env=sorted({t.key_env for t in cfg.auth.tenants if t.key_env} | _admin_env(cfg)),
+        secret_env=sorted(_key_envs(cfg)),
         lora=lora,
         kv_events=m.deployment.router == "kv_aware",
     )
@@ -269,8 +269,9 @@ def _controller_application(seed: StackConfig, base: Path | None) -> dict[str, A
     the live versions, so that applying a promotion step never changes (restarts) it."""
     on_k8s = seed.controller.target == "kubernetes"
     options: dict[str, Any] = {"num_cpus": 0.05}
-    if on_k8s:  # its own worker group, whose pods run under the controller's service account
-        options["resources"] = {"raystack-promotion": 1}
+    if on_k8s:  # its own worker group, whose pods run under the controller's service account and
+        # offer no CPU: no other replica (gateways, engines) can be placed there
+        options = {"num_cpus": 0, "resources": {"raystack-promotion": 1}}
     return {
         "name": CONTROLLER_APP,
         "route_prefix": None,
@@ -291,6 +292,13 @@ def _controller_application(seed: StackConfig, base: Path | None) -> dict[str, A
 
 def _admin_env(cfg: StackConfig) -> set[str]:
     return {cfg.controller.admin_key_env} if cfg.controller.admin_key_env else set()
+
+
+def _key_envs(cfg: StackConfig) -> set[str]:
+    """Every variable that holds one of the stack's API keys: the tenants', the admin's and the
+    promotion controller's client key (a tenant's key too)."""
+    client = {cfg.controller.client_key_env} if cfg.controller.client_key_env else set()
+    return {t.key_env for t in cfg.auth.tenants if t.key_env} | _admin_env(cfg) | client
 
 
 def admin_access(cfg: StackConfig, base: Path | None) -> AdminAccess:

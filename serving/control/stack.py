@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from serving.config import LOCAL_RAY_LOOPBACK, LocalRayConfig, ModelConfig, ModelVersion, StackConfig
 from serving.control.serve_config import build_serve_config
+from serving.registry import redact_uri
 from serving.replica.engine import check_layout
 from serving.replica.placement import pid_alive, proc_stat
 from serving.waiting import poll, wait_until
@@ -105,7 +106,8 @@ def ensure_models(cfg: StackConfig, base: Path, log: Any = print, on_built: Call
             if v.recipe is None:
                 raise FileNotFoundError(f"{m.name}@{v.version}: no checkpoint at {path} and no recipe")
             r = v.recipe
-            log(f"building {m.name}@{v.version} from {r.base} on {r.data} with the training job...")
+            where = f"from {redact_uri(r.base)} on {redact_uri(r.data)}"  # a URI may carry a credential
+            log(f"building {m.name}@{v.version} {where} with the training job...")
             p = Path(path)  # <root>/<model>/<version>
             # its own process: the job starts (and stops) its own private, authenticated Ray
             cmd = [sys.executable, "-m", "training.train", "--root", str(p.parent.parent)]

@@ -16,6 +16,8 @@ from serving.registry import RegistryError
 from serving.replica.placement import cpu_bind_groups
 
 __all__ = [
+    "ENGINE_ENV_NAMES",
+    "ENGINE_ENV_PREFIXES",
     "OFFLINE_ENV",
     "STORE_CREDENTIALS",
     "STORE_CREDENTIAL_PREFIXES",
@@ -41,6 +43,48 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 STORE_CREDENTIAL_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_", "GCS_")
 STORE_CREDENTIALS = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "FSSPEC_S3", "FSSPEC_GCS"})
 
+# What the engine process inherits from the replica's environment: only variables of these
+# names, or that start with these prefixes, which vLLM and what it runs on read (torch, the
+# accelerator's runtime and collectives, OpenMP, the tokenizers, the Python interpreter, the
+# locale). Everything else stays with the replica: its pod's Secret (tenant, admin and client
+# keys), Ray's token (the engine never joins Ray: one rank runs in-process, several on vLLM's
+# multiprocess executor), the store's credentials.
+ENGINE_ENV_PREFIXES = (
+    "VLLM_",
+    "CUDA_",
+    "NVIDIA_",
+    "NCCL_",
+    "GLOO_",
+    "CCL_",
+    "UCX_",
+    "HIP_",
+    "ROCR_",
+    "ROCM_",
+    "HSA_",
+    "TORCH",
+    "PYTORCH_",
+    "TRITON_",
+    "OMP_",
+    "KMP_",
+    "GOMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "ONEDNN_",
+    "DNNL_",
+    "MALLOC_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "XDG_",
+    "LD_",
+    "PYTHON",
+    "LC_",
+)
+ENGINE_ENV_NAMES = frozenset(
+    {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "HOSTNAME", "LANG", "LANGUAGE", "TZ", "TERM"}
+    | {"TMPDIR", "TMP", "TEMP", "VIRTUAL_ENV", "CC", "CXX", "DO_NOT_TRACK"}
+)
+
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -65,7 +109,7 @@ class EngineSpec(BaseModel):
     startup_timeout_s: float = 600
     stall_timeout_s: float = 30
     shutdown_grace_s: float = 60  # Serve's graceful_shutdown_timeout_s: the replica's drain fits in it
-    secret_env: list[str] = []  # variables the engine must not inherit (the tenants' key_env)
+    secret_env: list[str] = []  # variables the engine must not inherit (the stack's API keys)
     lora: LoraSlots | None = None  # a base of adapters: vLLM's LoRA flags (serving.replica.adapters)
     kv_events: bool = False  # router kv_aware: the engine publishes KV events (serving.replica.kv_events)
 
@@ -188,13 +232,19 @@ def vllm_command(spec: EngineSpec, host: str, port: int, kv_events: str | None =
 def engine_environ(
     environ: dict[str, str], spec: EngineSpec, cores: list[int] | None = None, token: str | None = None
 ) -> dict[str, str]:
-    """The engine process's whole environment: the replica's, less ``spec.secret_env`` (API keys
-    of the gateway's tenants, which a pod gets from its Secret) and the checkpoint store's
-    credentials (:data:`STORE_CREDENTIALS`: the replica fetches and verifies the weights into its
-    node cache before vLLM starts, so vLLM only ever reads a local folder), plus :func:`vllm_env`."""
+    """The engine process's whole environment: the replica's variables that the engine may read
+    (:data:`ENGINE_ENV_NAMES`, :data:`ENGINE_ENV_PREFIXES`), less ``spec.secret_env`` (the API
+    keys of the stack: tenants', admin, controller client; a pod gets them from its Secret) and
+    the checkpoint store's and hub's credentials (:data:`STORE_CREDENTIALS`: the replica fetches
+    and verifies the weights into its node cache before vLLM starts, so vLLM only ever reads a
+    local folder), plus :func:`vllm_env`."""
     hidden = set(spec.secret_env)
-    kept = {k: v for k, v in environ.items() if k not in hidden and not _store_credential(k)}
+    kept = {k: v for k, v in environ.items() if _engine_reads(k) and k not in hidden and not _store_credential(k)}
     return {**kept, **vllm_env(spec, cores, token)}
+
+
+def _engine_reads(name: str) -> bool:
+    return name in ENGINE_ENV_NAMES or name.startswith(ENGINE_ENV_PREFIXES)
 
 
 def _store_credential(name: str) -> bool:

@@ -118,7 +118,10 @@ def test_fine_tune_user_jsonl_resumes_after_kill_and_vllm_serves_it(tmp_path: Pa
         train("maxer", "v1", str(root), base_dir, data, evals, steps=STEPS + 10, checkpoint_every=10)
 
     publish_dirs = set(Path(tempfile.gettempdir()).glob("publish-*"))
-    manifest = train("maxer", "v1", str(root), base_dir, data, evals, steps=STEPS, checkpoint_every=10)
+    # resumed as a user runs it: a process of its own (this one imported Ray already, and the job
+    # starts its private, token-authenticated Ray only in a process that has not)
+    subprocess.run([sys.executable, "-m", "training.train", *args], cwd=ROOT, check=True, timeout=600)
+    manifest = store.manifest("maxer", "v1").model_dump(mode="json")
     assert set(Path(tempfile.gettempdir()).glob("publish-*")) == publish_dirs  # its folder went with it
     run, ev = manifest["training"], manifest["eval"]
     assert run["resumed_from_step"] >= 10 and run["steps"] == STEPS and run["method"] == "full"

@@ -7,10 +7,11 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
-from serving.control.importer import ImportFailed, import_model, source_kind
+from serving.control.importer import ImportFailed, import_model, source_kind, source_ref
 from serving.node_cache import VerifiedCache
 from serving.registry import CheckpointStore, VersionExists
 from tests.conftest import ROOT
@@ -148,3 +149,42 @@ def test_hf_cache_snapshot_imports_its_blobs(tmp_path: Path) -> None:
     published = Path(store.version_path("llama", "v1")) / "model.safetensors"
     assert not published.is_symlink() and published.read_bytes() == (blobs / "model.safetensors").read_bytes()
     assert store.verify("llama", "v1") == manifest
+
+
+SECRET_URI = "memory://user:s3cr3t@bucket/llama?X-Amz-Signature=sig123"
+
+
+def test_a_uri_with_credentials_is_logged_and_recorded_without_them(tmp_path: Path) -> None:
+    """``user:password@`` and a query string (a presigned URL's signature) reach neither the log
+    lines, nor ``base.ref`` in manifest.json, nor an error message."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    src = hf_folder(tmp_path / "llama")
+    fs.put(str(src) + "/", "/user:s3cr3t@bucket/llama?X-Amz-Signature=sig123/", recursive=True)
+    store = CheckpointStore(str(tmp_path / "store"))
+    lines: list[str] = []
+    try:
+        manifest = import_model(SECRET_URI, store, "llama", "v1", log=lines.append)
+        with pytest.raises(ImportFailed) as missing:
+            import_model(SECRET_URI.replace("llama", "gone"), store, "llama", "v2", log=lines.append)
+    finally:
+        fs.rm("/user:s3cr3t@bucket", recursive=True)
+    assert manifest.base is not None and manifest.base.ref == "memory://bucket/llama?<redacted>"
+    recorded = (tmp_path / "store" / "llama" / "v1" / "manifest.json").read_text()
+    assert lines == [f"downloading memory://bucket/{name}?<redacted> ..." for name in ("llama", "gone")]
+    assert str(missing.value) == "memory://bucket/gone?<redacted>: no such folder"
+    for text in (recorded, *lines, str(missing.value)):
+        assert "s3cr3t" not in text and "sig123" not in text
+
+
+@pytest.mark.parametrize(
+    ("source", "kind", "ref"),
+    [
+        ("https://user:pw@host/m?sig=x", "uri", "https://host/m?<redacted>"),
+        ("s3://bucket/models/llama", "uri", "s3://bucket/models/llama"),
+        ("meta-llama/Llama-3.1-8B", "hub", "meta-llama/Llama-3.1-8B"),
+    ],
+)
+def test_source_ref(source: str, kind: Literal["folder", "uri", "hub"], ref: str) -> None:
+    assert source_ref(source, kind) == ref

@@ -1,0 +1,43 @@
+"""``serving up``'s log line for a recipe it builds names the base and data without credentials."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from serving.config import parse_config
+from serving.control import stack as stack_mod
+
+
+def test_a_recipes_uris_are_logged_without_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    recipe = {
+        "base": "https://user:s3cr3t@models.example/llama",
+        "data": "s3://bucket/train.jsonl?X-Amz-Credential=AKIA&X-Amz-Signature=sig123",
+        "steps": 1,
+    }
+    cfg = parse_config(
+        {
+            "name": "t",
+            "auth": {"mode": "open"},
+            "checkpoint_root": str(tmp_path),
+            "models": [{"name": "m", "versions": [{"version": "v1", "recipe": recipe}]}],
+        }
+    )
+    hf = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 4}
+
+    def train(cmd: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        out = tmp_path / "m" / "v1"
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(json.dumps(hf | {"num_hidden_layers": 2, "hidden_size": 128}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(stack_mod.subprocess, "run", train)
+    lines: list[str] = []
+    stack_mod.ensure_models(cfg, tmp_path, log=lines.append)
+    assert lines == [
+        "building m@v1 from https://models.example/llama on s3://bucket/train.jsonl?<redacted> with the training job..."
+    ]
