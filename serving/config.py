@@ -156,7 +156,7 @@ class DeploymentOptions(_Strict):
         64, ge=1, description="In-flight requests one replica gets (per gateway replica when picked directly)."
     )
     max_queued_requests: int = Field(
-        256, ge=1, description="Requests waiting per gateway for a replica; beyond that: 429."
+        256, ge=1, description="Requests waiting per gateway for a replica; beyond that: 503 with Retry-After."
     )
     router: RouterName = Field(
         "power_of_two",
@@ -440,6 +440,14 @@ class GatewayConfig(_Strict):
         description="Times one stream may be continued on another replica of the same version after its replica "
         'died mid-answer (docs/architecture.md, "Stream migration"); 0: such a stream ends with an error event.',
     )
+    prefix_cache_scope: Literal["tenant", "shared"] = Field(
+        "tenant",
+        description="tenant: the gateway sets vLLM's cache_salt of every generating request from its tenant "
+        "(and the client's own cache_salt), so the engines never reuse one tenant's cached prompt blocks for "
+        "another tenant's request and time to first token tells nothing about other tenants' prompts; shared: "
+        "tenants share cached prefixes (a system prompt many tenants send is computed once) and a client's "
+        "cache_salt is passed on as sent.",
+    )
     retry_budget_ratio: float = Field(
         0.2, ge=0, le=10, description="Retries allowed per request over the last 10 s (plus retry_budget_min)."
     )
@@ -573,7 +581,12 @@ class LocalRayConfig(_Strict):
     metrics_export_port: int = Field(
         8080, ge=1024, le=65535, description="Ray's Prometheus endpoint (all stack metrics)."
     )
-    num_cpus: int = Field(8, ge=1, description="Logical CPUs Ray may schedule (more than cores: see ENVIRONMENT.md).")
+    num_cpus: int = Field(
+        8,
+        ge=1,
+        description="Logical CPUs Ray may schedule: room for every replica's reservation (engine ranks' "
+        "cpus_per_rank, gateways' num_cpus); it may exceed the cores, as it is a scheduling count only.",
+    )
     serve_control_loop_s: float = Field(
         0.1,
         gt=0,

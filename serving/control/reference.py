@@ -22,6 +22,8 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("auth.tenants[]", c.TenantConfig),
     ("local_ray", c.LocalRayConfig),
     ("controller", c.ControllerConfig),
+    ("shutdown", c.ShutdownConfig),
+    ("kubernetes", c.KubernetesConfig),
     ("models[]", c.ModelConfig),
     ("models[].lora", c.LoraSlots),
     ("models[].gate", Gate),
