@@ -131,9 +131,10 @@ class AdapterSet:
             except AdapterRefused as exc:  # the same files would be refused again: not refetched for a while
                 self._refused[name] = (source, time.monotonic() + REFUSED_S, str(exc))
                 raise
-            resp = await self.client.post(
-                f"{self.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": local}, timeout=120
-            )
+            # in place: an engine may still hold the name when an unregistration failed (timed
+            # out, or cut by a restart of this replica's loop); vLLM refuses a second load otherwise
+            body = {"lora_name": name, "lora_path": local, "load_inplace": True}
+            resp = await self.client.post(f"{self.url}/v1/load_lora_adapter", json=body, timeout=120)
             if resp.status_code != 200:
                 raise AdapterRefused(f"vLLM refused adapter {name!r}: {resp.status_code} {resp.text[:300]}")
             self.registered[name] = local

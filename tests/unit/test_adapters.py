@@ -204,6 +204,51 @@ def test_a_replica_verifies_registers_and_retires_adapters(tmp_path: Path, monke
     assert held.names == () and published[-1] == ()
 
 
+class _StickyEngine(_Engine):
+    """vLLM's answers when an unregistration never reached it: the name stays loaded, and a second
+    load of it is refused unless it is in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: set[str] = set()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.calls.append((request.url.path, body["lora_name"]))
+        if request.url.path.endswith("/unload_lora_adapter"):
+            raise httpx.ReadTimeout("busy engine", request=request)
+        if body["lora_name"] in self.loaded and not body.get("load_inplace"):
+            return httpx.Response(400, json={"error": {"message": "has already been loaded"}})
+        self.loaded.add(body["lora_name"])
+        return httpx.Response(200, text="Success")
+
+
+def test_an_adapter_whose_unregistration_failed_can_be_registered_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(adapters_mod, "UNLOAD_DELAY_S", 0.05)
+    _publish_adapter(tmp_path, "sub", "v1", "calc@v1")
+    engine = _StickyEngine()
+
+    async def scenario() -> AdapterSet:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+        held = AdapterSet(client, "http://e", LoraSlots(), lambda: None, TAGS, cache_dir=str(tmp_path / "cache"))
+        held.configure({"sub@v1": str(tmp_path / "sub" / "v1")})
+        await held.load("sub@v1")
+        held.retire("sub@v1")
+        await asyncio.sleep(0.2)  # the unregistration timed out: the engine still holds it
+        again = await held.load("sub@v1")  # kept: the multiplexer's handle
+        assert held.names == ("sub@v1",) and again.name == "sub@v1"
+        return held
+
+    asyncio.run(scenario())
+    assert [c[0].rsplit("/", 1)[1] for c in engine.calls] == [
+        "load_lora_adapter",
+        "unload_lora_adapter",
+        "load_lora_adapter",
+    ]
+
+
 def test_a_tampered_adapter_is_never_registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     d = _publish_adapter(tmp_path, "sub", "v1", "calc@v1")
     (d / "adapter_model.safetensors").write_bytes(b"tampered")
