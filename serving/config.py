@@ -232,7 +232,21 @@ class OnlineEval(_Strict):
     margin: float = Field(
         0.1, ge=0, le=1, description="Roll back when the online exact match is below the manifest's by more."
     )
-    metric: str = Field("exact_match", description="The manifest's eval metric the online score is compared to.")
+    metric: str = Field(
+        "exact_match",
+        description="The manifest's eval metric the online score is compared to: exact_match (higher is "
+        "better, as the online score is an exact match over the eval file's rows).",
+    )
+
+    @field_validator("metric")
+    @classmethod
+    def _comparable(cls, v: str) -> str:
+        if v != "exact_match":
+            raise ValueError(
+                f"online_eval.metric {v!r}: the online score is an exact match over all the eval rows, so only "
+                "the manifest's exact_match compares with it (a loss or a per-kind score does not)"
+            )
+        return v
 
 
 class PromotionPolicy(_Strict):

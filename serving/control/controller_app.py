@@ -161,14 +161,22 @@ def _question(model: str, row: dict[str, Any]) -> tuple[str, dict[str, Any], str
     """The request (path, body) that asks ``row``'s question, and its reference answer; None for a
     row that is not scored online (a tool-call answer)."""
     if "prompt" in row and "completion" in row:
-        body = {"model": model, "prompt": row["prompt"], "max_tokens": 32, "temperature": 0}
-        return "/v1/completions", body, str(row["completion"])
+        reference = str(row["completion"])
+        body = {"model": model, "prompt": row["prompt"], "max_tokens": _room(reference), "temperature": 0}
+        return "/v1/completions", body, reference
     messages = row.get("messages") or []
     last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
     if last < 0 or not isinstance(messages[last].get("content"), str):
         return None
-    body = {"model": model, "messages": messages[:last], "max_tokens": 32, "temperature": 0}
-    return "/v1/chat/completions", body, messages[last]["content"]
+    reference = messages[last]["content"]
+    body = {"model": model, "messages": messages[:last], "max_tokens": _room(reference), "temperature": 0}
+    return "/v1/chat/completions", body, reference
+
+
+def _room(reference: str) -> int:
+    """Tokens to generate for an answer to compare with ``reference``: its UTF-8 bytes (a
+    byte-level token holds at least one) and a few more, as the training job's eval gives."""
+    return max(32, len(reference.encode()) + 8)
 
 
 def build_controller(cfg: StackConfig, base: Path | None, observe: Any = None) -> Controller:

@@ -18,7 +18,10 @@ def _cfg(**over: object) -> dict[str, object]:
 
 
 @pytest.mark.parametrize(
-    "path", sorted((ROOT / "deployments").glob("*.yaml")) + [ROOT / "tests/integration/stack.yaml"]
+    "path",
+    sorted((ROOT / "deployments").glob("*.yaml"))
+    + sorted((ROOT / "loadtests" / "stacks").glob("*.yaml"))
+    + [ROOT / "tests/integration/stack.yaml", ROOT / "tests/e2e/scaling-stack.yaml"],
 )
 def test_shipped_configs_validate(path: Path) -> None:
     cfg = load_config(path)

@@ -107,3 +107,26 @@ def test_no_eval_rows_is_no_score_whatever_the_gateway(tmp_path: Path) -> None:
     assert _gateway(_error).online_eval("calc", "v2", _manifest(tmp_path, None), 10) is None
     tool_calls = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": []}]}]
     assert _gateway(_error).online_eval("calc", "v2", _manifest(tmp_path, tool_calls), 10) is None
+
+
+def test_a_long_reference_answer_gets_room_to_be_generated_whole(tmp_path: Path) -> None:
+    """The online eval must be able to match an answer longer than a few tokens (the training
+    job's eval generates the reference's length and more): a 60-byte answer gets 68 tokens."""
+    long = "The sum of the two numbers you gave me is exactly forty-two."
+    rows = [{"prompt": "Say it.", "completion": long}]
+    asked: list[int] = []
+
+    def answer(body: dict[str, Any]) -> httpx.Response:
+        asked.append(body["max_tokens"])
+        return httpx.Response(200, json={"choices": [{"text": long[: body["max_tokens"]]}]})  # 1 byte a token
+
+    assert _gateway(answer).online_eval("calc", "v2", _manifest(tmp_path, rows), 10) == 1.0
+    assert asked == [len(long) + 8]
+
+
+@pytest.mark.parametrize("metric", ["mean_token_loss", "perplexity", "exact_match/plain"])
+def test_an_online_eval_compared_to_a_metric_it_does_not_measure_is_refused(metric: str) -> None:
+    from serving.config import OnlineEval
+
+    with pytest.raises(ValueError, match="only the manifest's exact_match compares"):
+        OnlineEval(metric=metric)
