@@ -49,7 +49,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 
@@ -62,6 +62,7 @@ from serving.registry import CheckpointStore, Manifest, RegistryError, _natural_
 __all__ = ["Applier", "Controller", "Prober", "policy_for", "with_live"]
 
 log = logging.getLogger("raystack.promotion")
+T = TypeVar("T")
 
 
 class Applier(Protocol):
@@ -388,18 +389,23 @@ class Controller:
         return rec
 
     def _verified(self, m: ModelConfig, version: str) -> Manifest:
-        """``store.verify`` (every file hashed: minutes for a large model on a remote store) in a
-        thread, while this controller keeps renewing its lock so that a standby does not take over
-        meanwhile. A lock lost anyway raises :class:`LockLost`: nothing is recorded then."""
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="verify")
+        """``store.verify`` (every file hashed: minutes for a large model on a remote store),
+        holding the lock."""
+        return self._holding_lock(f"verifying {m.name}@{version}", self.store.verify, m.name, version, m.gate)
+
+    def _holding_lock(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a thread, while this controller keeps renewing its lock so that a
+        standby does not take over meanwhile (hashing a large model, an online eval of slow
+        prompts, a warm-up). A lock lost anyway raises :class:`LockLost`: nothing is recorded then."""
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="holding-lock")
         try:
-            job = pool.submit(self.store.verify, m.name, version, m.gate)
+            job = pool.submit(fn, *args)
             while True:
                 try:
                     return job.result(timeout=max(0.05, self.lock.ttl_s / 3))
                 except concurrent.futures.TimeoutError:
                     if not self.lock.acquire():
-                        raise LockLost(f"lost the controller lock while verifying {m.name}@{version}") from None
+                        raise LockLost(f"lost the controller lock while {what}") from None
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -474,7 +480,16 @@ class Controller:
             return None
         try:
             pooling = any(m.name == rec.model and m.engine.runner == "pooling" for m in self.seed.models)
-            self.prober.warm(rec.model, rec.version, policy.warmup_requests, pooling)
+            self._holding_lock(
+                f"warming {rec.model}@{rec.version}",
+                self.prober.warm,
+                rec.model,
+                rec.version,
+                policy.warmup_requests,
+                pooling,
+            )
+        except LockLost:
+            raise
         except Exception as exc:
             return self._rollback(rec, f"warm-up failed: {exc}")
         rec.baseline["live_window"] = self._window(rec, "before").get(rec.previous, VersionStats()).to_json()
@@ -529,7 +544,16 @@ class Controller:
         claimed = manifest.eval.value(oe.metric) if manifest.eval else None
         before = merge(self.applier.metrics_texts(), rec.model)
         try:
-            score = self.prober.online_eval(rec.model, rec.version, manifest, oe.samples)
+            score = self._holding_lock(
+                f"evaluating {rec.model}@{rec.version}",
+                self.prober.online_eval,
+                rec.model,
+                rec.version,
+                manifest,
+                oe.samples,
+            )
+        except LockLost:
+            raise
         except Exception as exc:  # an eval that cannot run scores nothing: it does not pass
             log.exception("online eval of %s@%s failed: %s", rec.model, rec.version, exc)
             return Verdict("rollback", f"online eval failed: {exc}", {**verdict.figures, "manifest_score": claimed})

@@ -4,6 +4,7 @@ whose requests fail does not pass (HttpProber against a scripted gateway, httpx.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,59 @@ def test_an_online_eval_compared_to_a_metric_it_does_not_measure_is_refused(metr
 
     with pytest.raises(ValueError, match="only the manifest's exact_match compares"):
         OnlineEval(metric=metric)
+
+
+def test_a_slow_online_eval_keeps_the_lock_and_a_controller_that_loses_it_writes_nothing(tmp_path: Path) -> None:
+    """Slow prompts take longer than the lock's TTL: the controller renews its lock while it
+    evaluates; if another controller takes the lock anyway, the first records nothing (no step
+    that would undo what the new one decided) and stands by."""
+    (tmp_path / "ck").mkdir()
+    clock = Clock()
+    cluster = Cluster(clock)
+    a = _controller(tmp_path, _cfg(), clock, cluster, holder="blue")
+    a.lock.ttl_s = 0.3  # renewed every 0.1 s of real time while it evaluates
+    renewals: list[float] = []
+    acquire = a.lock.acquire
+
+    def counting() -> bool:
+        renewals.append(clock.t)
+        return acquire()
+
+    a.lock.acquire = counting  # type: ignore[method-assign]
+    slow_evals: list[str] = []
+
+    def slow(model: str, version: str, manifest: Manifest, n: int) -> float | None:
+        slow_evals.append(version)
+        time.sleep(0.45)
+        return 0.9
+
+    cluster.online_eval = slow  # type: ignore[method-assign]
+    _publish(tmp_path / "ck", "calc", "v2")
+    _run(a, clock, 12)
+    assert slow_evals and len(renewals) >= 12 + 2  # each tick's, and more while it evaluated
+    (rec,) = a.control.history("calc")
+    assert rec.status in ("promoted", "stepping") and "rollback" not in [s.phase for s in rec.steps]
+
+    # a second promotion: green takes the lock while blue evaluates v3
+    _run(a, clock, 20)  # v2 finishes
+    _publish(tmp_path / "ck", "calc", "v3")
+    b = _controller(tmp_path, _cfg(), clock, Cluster(clock), holder="green")
+    called: list[str] = []
+    by_green: list[dict[str, Any]] = []
+
+    def taken(model: str, version: str, manifest: Manifest, n: int) -> float | None:
+        called.append(version)
+        clock.t += 1  # blue's lease expired...
+        assert b.tick() == "active"  # ...and green took it (and restarted the step's window)
+        by_green.append(b.control.history("calc")[-1].model_dump())
+        time.sleep(0.3)
+        return 0.9
+
+    cluster.online_eval = taken  # type: ignore[method-assign]
+    for _ in range(30):
+        result = a.tick()
+        if called:
+            break
+        clock.t += 1
+    assert called == ["v3"] and result == "standby"
+    assert a.control.history("calc")[-1].model_dump() == by_green[0]  # blue wrote nothing after losing the lock
