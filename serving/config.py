@@ -456,8 +456,8 @@ class GatewayConfig(_Strict):
     )
     prefix_cache_scope: Literal["tenant", "shared"] = Field(
         "tenant",
-        description="tenant: the gateway sets vLLM's cache_salt of every generating request from its tenant "
-        "(and the client's own cache_salt), so the engines never reuse one tenant's cached prompt blocks for "
+        description="tenant: the gateway sets vLLM's cache_salt of every generating or embedding request from its "
+        "tenant (and the client's own cache_salt), so the engines never reuse one tenant's cached prompt blocks for "
         "another tenant's request and time to first token tells nothing about other tenants' prompts; shared: "
         "tenants share cached prefixes (a system prompt many tenants send is computed once) and a client's "
         "cache_salt is passed on as sent.",

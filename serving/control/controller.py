@@ -258,7 +258,12 @@ class Controller:
         out: dict[str, set[str]] = {}
         for a in cfg.models:
             for v in a.versions if a.base else ():
-                out.setdefault(a.base or "", set()).add(self.base_version(a, v.version) or "")
+                try:
+                    base = self.base_version(a, v.version)
+                except (RegistryError, OSError) as exc:  # not published yet, or the store unreadable now:
+                    log.warning("%s@%s: its base version is not known (%s)", a.name, v.version, exc)
+                    continue  # it keeps no base version here; the deploy of that config says what is missing
+                out.setdefault(a.base or "", set()).add(base or "")
         return out
 
     def _keep_needed(self, model: str, weights: dict[str, int]) -> dict[str, int]:
@@ -396,16 +401,27 @@ class Controller:
     def _holding_lock(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a thread, while this controller keeps renewing its lock so that a
         standby does not take over meanwhile (hashing a large model, an online eval of slow
-        prompts, a warm-up). A lock lost anyway raises :class:`LockLost`: nothing is recorded then."""
+        prompts, a warm-up). A lock lost anyway raises :class:`LockLost`: nothing is recorded then.
+        A renewal the store fails (a 503, a network error) is tried again at the next interval; once
+        the lease may have expired without one, the lock counts as lost."""
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="holding-lock")
+        renewed = time.monotonic()
         try:
             job = pool.submit(fn, *args)
             while True:
                 try:
                     return job.result(timeout=max(0.05, self.lock.ttl_s / 3))
                 except concurrent.futures.TimeoutError:
-                    if not self.lock.acquire():
+                    try:
+                        held = self.lock.acquire()
+                    except OSError as exc:
+                        if time.monotonic() - renewed < self.lock.ttl_s:
+                            log.warning("renewing the controller lock while %s: %s; trying again", what, exc)
+                            continue
+                        raise LockLost(f"could not renew the controller lock while {what}: {exc}") from None
+                    if not held:
                         raise LockLost(f"lost the controller lock while {what}") from None
+                    renewed = time.monotonic()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 

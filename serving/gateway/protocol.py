@@ -76,8 +76,8 @@ class Forwardable(Protocol):
     def upstream_body(self, name: str) -> bytes: ...
 
     def salted(self, salt: str) -> Forwardable:
-        """This request with vLLM's ``cache_salt`` set to ``salt`` where it computes a prompt's
-        KV blocks (a generating request); unchanged otherwise."""
+        """This request with vLLM's ``cache_salt`` set to ``salt`` where the engine computes a
+        prompt's KV blocks (generating and embedding requests); unchanged otherwise (tokenize)."""
         ...
 
     def tap(self) -> Tap | None: ...
@@ -122,8 +122,7 @@ class ParsedRequest:
         return int(self.body.get("n") or 1)
 
     def salted(self, salt: str) -> ParsedRequest:
-        if self.kind == "embedding":
-            return self
+        # embeddings too: vLLM caches a causal embedding model's prompt blocks as well
         return replace(self, body={**self.body, "cache_salt": salt}, changed=True)
 
     @property

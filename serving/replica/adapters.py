@@ -131,11 +131,13 @@ class AdapterSet:
             except AdapterRefused as exc:  # the same files would be refused again: not refetched for a while
                 self._refused[name] = (source, time.monotonic() + REFUSED_S, str(exc))
                 raise
-            # in place: an engine may still hold the name when an unregistration failed (timed
-            # out, or cut by a restart of this replica's loop); vLLM refuses a second load otherwise
-            body = {"lora_name": name, "lora_path": local, "load_inplace": True}
+            body = {"lora_name": name, "lora_path": local}
             resp = await self.client.post(f"{self.url}/v1/load_lora_adapter", json=body, timeout=120)
-            if resp.status_code != 200:
+            # vLLM still holds the name when an unregistration of it never reached the engine (timed
+            # out): the same verified version, registered already. (Not loaded in place: vLLM keeps
+            # the flag on the adapter and would then reload its files at every engine step.)
+            held = resp.status_code == 400 and "already been loaded" in resp.text
+            if resp.status_code != 200 and not held:
                 raise AdapterRefused(f"vLLM refused adapter {name!r}: {resp.status_code} {resp.text[:300]}")
             self.registered[name] = local
             logger.info("adapter %s registered (%d held)", name, len(self.registered))

@@ -80,12 +80,14 @@ def _config(tmp: Path) -> Path:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from training.datasets import write_dataset
-    from training.train import train
 
     tmp = tmp_path_factory.mktemp("promotion")
     source = ROOT / "checkpoints" / "adder" / "v1"
     if not (source / "manifest.json").exists():  # built by `serving up` of the main stacks
-        train("adder", "v1", str(ROOT / "checkpoints"), base="init:qwen3-tiny", data="builtin:add")
+        # a process of its own: the job's private Ray needs one that has not imported Ray yet
+        job = ["--root", str(ROOT / "checkpoints"), "--model", "adder", "--version", "v1"]
+        job += ["--base", "init:qwen3-tiny", "--data", "builtin:add"]
+        subprocess.run([sys.executable, "-m", "training.train", *job], cwd=ROOT, check=True, timeout=1800)
     root = str(tmp / "store")
     imported = subprocess.run(
         [SERVING, "import", str(source), "--model", "arith", "--version", "v1", "--root", root],

@@ -206,7 +206,7 @@ def test_a_replica_verifies_registers_and_retires_adapters(tmp_path: Path, monke
 
 class _StickyEngine(_Engine):
     """vLLM's answers when an unregistration never reached it: the name stays loaded, and a second
-    load of it is refused unless it is in place."""
+    load of it is refused with vLLM's 400."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -217,8 +217,10 @@ class _StickyEngine(_Engine):
         self.calls.append((request.url.path, body["lora_name"]))
         if request.url.path.endswith("/unload_lora_adapter"):
             raise httpx.ReadTimeout("busy engine", request=request)
-        if body["lora_name"] in self.loaded and not body.get("load_inplace"):
-            return httpx.Response(400, json={"error": {"message": "has already been loaded"}})
+        assert "load_inplace" not in body  # vLLM would reload an in-place adapter's files at every step
+        if body["lora_name"] in self.loaded:
+            message = f"The lora adapter '{body['lora_name']}' has already been loaded. If you want to load"
+            return httpx.Response(400, json={"error": {"message": message, "type": "BadRequestError", "code": 400}})
         self.loaded.add(body["lora_name"])
         return httpx.Response(200, text="Success")
 
@@ -307,15 +309,20 @@ class _Cluster(Cluster):
         return [text + "\n" + text.replace('model="calc"', 'model="sub"')]
 
 
-def test_a_base_version_stays_while_a_live_adapter_runs_on_it(tmp_path: Path) -> None:
-    """calc v1 -> v2 keeps v1 at 0% for sub@v1 (trained on calc@v1); sub v1 -> v2 (trained on
-    calc@v2) canaries on calc--v2 and, once promoted, calc@v1 is removed."""
+def _calc_and_sub(tmp_path: Path) -> tuple[Path, Clock, _Cluster]:
+    """A store with calc@v1 and its adapter sub@v1, and a scripted cluster."""
     root = tmp_path / "ck"
     root.mkdir()
     clock = Clock()
-    cluster = _Cluster(clock)
     _publish(root, "calc", "v1")
     _publish_adapter(root, "sub", "v1", "calc@v1")
+    return root, clock, _Cluster(clock)
+
+
+def test_a_base_version_stays_while_a_live_adapter_runs_on_it(tmp_path: Path) -> None:
+    """calc v1 -> v2 keeps v1 at 0% for sub@v1 (trained on calc@v1); sub v1 -> v2 (trained on
+    calc@v2) canaries on calc--v2 and, once promoted, calc@v1 is removed."""
+    root, clock, cluster = _calc_and_sub(tmp_path)
     policy = {**POLICY, "mode": "manual"}
     cfg = _stack(root, [{"name": "sub", "base": "calc", "versions": [{"version": "v1"}], "promotion": policy}])
     cfg["models"][0] |= {"promotion": {**POLICY, "mode": "auto"}}

@@ -13,7 +13,7 @@ from serving.config import StackConfig
 from serving.control.controller import Controller
 from serving.control.serve_config import build_serve_config
 from serving.record import PromotionRequest
-from tests.unit.test_adapters import _Cluster, _publish_adapter, _stack
+from tests.unit.test_adapters import _calc_and_sub, _Cluster, _publish_adapter, _stack
 from tests.unit.test_controller import POLICY, Clock, _controller, _publish, _run
 
 
@@ -83,3 +83,22 @@ def test_a_promotion_whose_config_cannot_be_built_is_refused_not_recorded(based:
     assert [s.weights for s in rec.steps if s.weights] == [] and _live(ctl, "sub") == [("v1", 100)]
     assert len(cluster.applied) == applied  # nothing new was applied...
     assert cluster.weights("sub") == [("v1", 100)]  # ...and what serves is what was recorded
+
+
+def test_an_adapter_version_not_trained_yet_does_not_stop_the_bases_promotion(tmp_path: Path) -> None:
+    """A configured adapter version at weight 0 with no checkpoint yet (on Kubernetes nothing
+    builds it before it is published): its base version is not known, and the base's promotion
+    goes on (every tick used to raise)."""
+    root, clock, cluster = _calc_and_sub(tmp_path)
+    versions = [{"version": "v1", "weight": 100}, {"version": "v2", "weight": 0}]  # sub@v2: not published
+    cfg = _stack(root, [{"name": "sub", "base": "calc", "versions": versions}])
+    cfg["models"][0] |= {"promotion": {**POLICY, "mode": "manual"}}
+    ctl = _controller(tmp_path, cfg, clock, cluster)
+    _publish(root, "calc", "v2")
+    ctl.control.submit("calc", PromotionRequest(action="promote", version="v2", at=0))
+    for _ in range(4):
+        assert ctl.tick() == "active"
+        clock.t += 2
+    (rec,) = ctl.control.history("calc")
+    assert rec.steps[0].phase == "deploy" and rec.status != "refused", rec
+    assert ("v2", 0) in _live(ctl, "calc") or ("v2", 10) in _live(ctl, "calc")

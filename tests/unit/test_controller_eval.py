@@ -187,3 +187,47 @@ def test_a_slow_online_eval_keeps_the_lock_and_a_controller_that_loses_it_writes
         clock.t += 1
     assert called == ["v3"] and result == "standby"
     assert a.control.history("calc")[-1].model_dump() == by_green[0]  # blue wrote nothing after losing the lock
+
+
+def test_a_store_error_while_renewing_the_lock_during_a_warm_up_is_tried_again_not_a_rollback(
+    tmp_path: Path,
+) -> None:
+    """One failed renewal (an S3 503) while the new version warms up is retried at the next
+    interval: the canary goes on (it used to be rolled back as 'warm-up failed: 503')."""
+    from serving.config import parse_config
+    from serving.control.controller import Controller
+    from serving.record import ControlStore, StoreLock
+    from serving.registry import CheckpointStore
+
+    (tmp_path / "ck").mkdir()
+    clock = Clock()
+
+    class SlowWarm(Cluster):
+        def warm(self, model: str, version: str, n: int, pooling: bool = False) -> None:
+            time.sleep(0.5)  # spans several renewals
+            super().warm(model, version, n, pooling)
+
+    class FlakyLock(StoreLock):
+        fail_in = 0  # fail the Nth call from now (0: never)
+
+        def acquire(self) -> bool:
+            if self.fail_in:
+                self.fail_in -= 1
+                if self.fail_in == 0:
+                    raise OSError("503 Slow Down")
+            return super().acquire()
+
+    cluster = SlowWarm(clock)
+    control = ControlStore(str(tmp_path / "ck"), "t")
+    lock = FlakyLock(control, "a", ttl_s=0.3, clock=clock)
+    cfg = parse_config(_cfg(warmup_requests=1))
+    ctl = Controller(cfg, CheckpointStore(str(tmp_path / "ck")), control, lock, cluster, cluster, clock=clock)
+    ctl.tick()
+    _publish(tmp_path / "ck", "calc", "v2")
+    cluster.status["calc--v2"] = ("DEPLOYING", "")
+    ctl.tick()  # the deploy step
+    cluster.status.clear()
+    lock.fail_in = 2  # the tick's own renewal passes, the first one during the warm-up fails
+    assert ctl.tick() == "active"
+    rec = control.history("calc")[-1]
+    assert rec.status == "stepping" and [s.phase for s in rec.steps] == ["deploy", "step"], rec.reason
