@@ -16,7 +16,7 @@ from loadtests.relay import OneReplica
 from serving.config import ConfigError, EngineConfig, GatewayConfig, parse_config
 from serving.control.serve_config import routing_user_config
 from serving.errors import InvalidRequest
-from serving.gateway.core import GatewayCore
+from serving.gateway.core import GatewayCore, tenant_cache_salt
 from serving.gateway.protocol import parse_request
 from serving.gateway.routes import create_api
 from serving.metrics import GatewayMetrics
@@ -138,7 +138,8 @@ async def test_embeddings_are_forwarded_and_a_request_of_the_other_kind_is_a_400
         ]
         unknown = await c.post("/v1/embeddings", json={"model": "nope", "input": "x"})
     assert ok.status_code == 200 and ok.json()["data"][0]["embedding"] == [0.6, 0.8]
-    assert ok.headers["x-model-version"] == "v1" and hits == [{"model": "embed", "input": "a cat sits"}]
+    forwarded = {"model": "embed", "input": "a cat sits", "cache_salt": tenant_cache_salt("anonymous")}
+    assert ok.headers["x-model-version"] == "v1" and hits == [forwarded]
     for r in wrong:
         err = r.json()["error"]
         assert r.status_code == 400 and err["code"] == "model_not_supported" and err["param"] == "model", r.text
