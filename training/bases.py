@@ -4,7 +4,7 @@ Forms, tried in this order (the first that applies wins)::
 
     init:<family>-<size>      freshly initialised by training.families (tokenizer learnt on the data)
     <scheme>://...            an fsspec URI of a folder, downloaded to a temporary directory (recorded
-                              without user info or query string: training.uris.redact_uri)
+                              without user info or query string: serving.registry.redact_uri)
     an existing local path    a Hugging Face folder (config.json + weights + tokenizer)
     <model>@<version>         a version of the checkpoint store, hash-verified first
     hub:<id> or <org>/<name>  a Hugging Face hub id (snapshot_download)
@@ -30,8 +30,7 @@ from typing import Any, Final
 
 import fsspec
 
-from serving.registry import BaseRef, CheckpointStore
-from training.uris import redact_uri
+from serving.registry import BaseRef, CheckpointStore, redact_uri
 
 __all__ = ["BaseError", "ResolvedBase", "is_store_ref", "parameter_count", "resolve_base"]
 

@@ -225,7 +225,6 @@ def rollback(
     from serving.control.requests import submit
 
     cfg = _load(config, live=False)
-    _model(cfg, model, config)
     deployed = [v.version for v in _model(_load(config), model, config).versions]
     if to is not None and to not in deployed:  # the controller refuses it too
         console.print(f"{model}@{to} is not deployed ({model} serves {', '.join(deployed)})", style="red", markup=False)

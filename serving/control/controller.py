@@ -268,8 +268,9 @@ class Controller:
 
     def _keep_needed(self, model: str, weights: dict[str, int]) -> dict[str, int]:
         """``weights`` plus, at 0, each version of ``model`` that a configured adapter version runs on."""
-        needed = self._needed(self.current()).get(model, set())
-        served = [v.version for v in self.current().model(model).versions]
+        current = self.current()  # live.json, read once
+        needed = self._needed(current).get(model, set())
+        served = [v.version for v in current.model(model).versions]
         order = {v: i for i, v in enumerate(served)}
         return weights | {v: 0 for v in sorted(needed - set(weights), key=lambda v: order.get(v, len(order)))}
 

@@ -290,15 +290,11 @@ def _controller_application(seed: StackConfig, base: Path | None) -> dict[str, A
     }
 
 
-def _admin_env(cfg: StackConfig) -> set[str]:
-    return {cfg.controller.admin_key_env} if cfg.controller.admin_key_env else set()
-
-
 def _key_envs(cfg: StackConfig) -> set[str]:
     """Every variable that holds one of the stack's API keys: the tenants', the admin's and the
     promotion controller's client key (a tenant's key too)."""
-    client = {cfg.controller.client_key_env} if cfg.controller.client_key_env else set()
-    return {t.key_env for t in cfg.auth.tenants if t.key_env} | _admin_env(cfg) | client
+    controller = {cfg.controller.admin_key_env, cfg.controller.client_key_env}
+    return {t.key_env for t in cfg.auth.tenants if t.key_env} | {e for e in controller if e}
 
 
 def admin_access(cfg: StackConfig, base: Path | None) -> AdminAccess:

@@ -11,8 +11,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
+from serving.registry import redact_uri
 from training.jsonl import DataError, holdout, load_jsonl, resolve_data
-from training.uris import redact_uri
 
 
 def _write(path: Path, rows: list[object]) -> str:
