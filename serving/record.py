@@ -6,7 +6,7 @@ and every cluster of a stack can all reach (a local path, a PVC or an ``s3://`` 
 
     <root>/.control/<stack>/live.json                   live versions and weights of every model
     <root>/.control/<stack>/lock.json                   the active controller's lease
-    <root>/.control/<stack>/requests/<model>.json       a CLI request waiting for the controller
+    <root>/.control/<stack>/requests/<model>/<key>.json  CLI requests waiting for the controller, oldest first
     <root>/.control/<stack>/promotions/<model>/<id>.json one record per promotion, steps appended
 
 ``live.json`` is what serves: each step is written into the promotion's record (marked
@@ -189,19 +189,41 @@ class ControlStore:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def submit(self, model: str, request: PromotionRequest) -> None:
-        self._write(f"requests/{model}.json", request.model_dump_json().encode())
+    def submit(self, model: str, request: PromotionRequest, key: str | None = None) -> str:
+        """Queue ``request`` for the controller; returns its key. Each request is a file of its own
+        (named by the time it was made), so two made at once are both taken, one per poll, oldest
+        first. ``key``: put back a request that was taken, where it was."""
+        key = key or f"{time.time_ns():020d}-{secrets.token_hex(4)}"
+        self._write(f"requests/{model}/{key}.json", request.model_dump_json().encode())
+        return key
 
-    def take_request(self, model: str) -> PromotionRequest | None:
-        raw = self._read(f"requests/{model}.json")
-        if raw is None:
-            return None
-        self._delete(f"requests/{model}.json")
-        return PromotionRequest.model_validate_json(raw)
+    def _request_keys(self, model: str) -> list[str]:
+        folder = f"{self.base}/requests/{model}"
+        self.fs.invalidate_cache()
+        try:
+            paths = self.fs.ls(folder, detail=False)
+        except FileNotFoundError:
+            return []
+        names = (p.rstrip("/").rsplit("/", 1)[-1] for p in paths)
+        return sorted(n[: -len(".json")] for n in names if n.endswith(".json"))
 
-    def pending_request(self, model: str) -> PromotionRequest | None:
-        raw = self._read(f"requests/{model}.json")
-        return None if raw is None else PromotionRequest.model_validate_json(raw)
+    def take_request(self, model: str) -> tuple[str, PromotionRequest] | None:
+        """The oldest request waiting for ``model`` and its key, removed from the queue."""
+        for key in self._request_keys(model):
+            raw = self._read(f"requests/{model}/{key}.json")
+            if raw is None:  # taken in between
+                continue
+            self._delete(f"requests/{model}/{key}.json")
+            return key, PromotionRequest.model_validate_json(raw)
+        return None
+
+    def pending_request(self, model: str, key: str | None = None) -> PromotionRequest | None:
+        """The request ``key`` if it still waits, else (no key) the oldest one waiting."""
+        for k in [key] if key else self._request_keys(model):
+            raw = self._read(f"requests/{model}/{k}.json")
+            if raw is not None:
+                return PromotionRequest.model_validate_json(raw)
+        return None
 
     # -- lock primitives (used by StoreLock) ----------------------------------------------------
 

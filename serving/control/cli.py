@@ -194,7 +194,7 @@ def promote(
         console.print(f"{exc}{hint}", style="red", markup=False)
         raise typer.Exit(2) from None
     control = _control(cfg, config)
-    at = submit(control, model, "abort" if abort else "promote", None if abort else version, overrides)
+    at, _ = submit(control, model, "abort" if abort else "promote", None if abort else version, overrides)
     _follow(control, model, at, None if abort else version, follow, timeout)
 
 
@@ -230,15 +230,15 @@ def rollback(
         console.print(f"{model}@{to} is not deployed ({model} serves {', '.join(deployed)})", style="red", markup=False)
         raise typer.Exit(2)
     control = _control(cfg, config)
-    at = submit(control, model, "rollback", to, {})
-    _follow(control, model, at, None, True, 120) if control.active(model) else _wait_taken(control, model)
+    at, key = submit(control, model, "rollback", to, {})
+    _follow(control, model, at, None, True, 120) if control.active(model) else _wait_taken(control, model, key)
     print(f"{model}: {', '.join(f'{v.version}={v.weight}%' for v in _model(_load(config), model, config).versions)}")
 
 
-def _wait_taken(control: ControlStore, model: str, timeout_s: float = 120) -> None:
+def _wait_taken(control: ControlStore, model: str, key: str, timeout_s: float = 120) -> None:
     from serving.waiting import poll
 
-    if not poll(lambda: control.pending_request(model) is None, timeout_s, 1):
+    if not poll(lambda: control.pending_request(model, key) is None, timeout_s, 1):
         console.print("no promotion controller took the request", style="red")
         raise typer.Exit(3)
 

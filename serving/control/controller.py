@@ -296,13 +296,14 @@ class Controller:
                     _decision(m.name, idle[0].version, "removed", "no live adapter runs on it", {})
 
     def _tick_model(self, m: ModelConfig) -> None:
-        request = self.control.take_request(m.name)
+        taken = self.control.take_request(m.name)
         rec = self.control.active(m.name)
-        if request is not None:
+        if taken is not None:
+            key, request = taken
             try:
                 rec = self._handle(m, request, rec)
             except LockLost:  # the controller that took over handles it
-                self.control.submit(m.name, request)
+                self.control.submit(m.name, request, key)
                 raise
         elif rec is None and m.promotion.mode == "auto":
             candidate = self._candidate(m)

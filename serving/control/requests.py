@@ -34,10 +34,13 @@ def controller_alive(control: ControlStore, clock: Callable[[], float] = time.ti
     return bool(lock and float(lock.get("expires_at", 0)) > clock())
 
 
-def submit(control: ControlStore, model: str, action: str, version: str | None, overrides: dict[str, Any]) -> float:
+def submit(
+    control: ControlStore, model: str, action: str, version: str | None, overrides: dict[str, Any]
+) -> tuple[float, str]:
+    """Queue a request for the controller; returns when it was made and its key in the queue."""
     at = time.time()
-    control.submit(model, PromotionRequest(action=action, version=version, overrides=overrides, at=at))  # type: ignore[arg-type]
-    return at
+    request = PromotionRequest(action=action, version=version, overrides=overrides, at=at)  # type: ignore[arg-type]
+    return at, control.submit(model, request)
 
 
 def _when(t: float) -> str:

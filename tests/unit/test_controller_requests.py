@@ -51,3 +51,17 @@ def test_a_promotion_with_invalid_settings_is_refused_with_the_reason(
     (rec,) = ctl.control.history("calc")
     assert rec.status == "refused" and rec.reason.startswith(f"refused: invalid promotion settings: {why}")
     assert ctl.control.pending_request("calc") is None and cluster.weights() == [("v1", 50), ("v2", 50)]
+
+
+def test_two_requests_made_before_a_poll_are_both_handled_oldest_first(manual: tuple[Controller, Cluster]) -> None:
+    ctl, cluster = manual
+    first = ctl.control.submit("calc", PromotionRequest(action="rollback", version="v9", at=0))
+    second = ctl.control.submit("calc", PromotionRequest(action="rollback", version="v2", at=0))
+    assert first < second and ctl.control.pending_request("calc", second) is not None
+    ctl.tick()  # the first: refused, the second still waits
+    assert [r.status for r in ctl.control.history("calc")] == ["refused"]
+    assert ctl.control.pending_request("calc", first) is None
+    pending = ctl.control.pending_request("calc")
+    assert pending is not None and pending.version == "v2"
+    ctl.tick()
+    assert cluster.weights() == [("v2", 100)] and ctl.control.pending_request("calc") is None

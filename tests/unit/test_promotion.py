@@ -13,7 +13,7 @@ from serving.config import PromotionPolicy, load_config
 from serving.control.controller import with_live
 from serving.control.serve_config import CONTROLLER_APP, build_serve_config
 from serving.control.watch import VersionStats, judge, parse_stats, percentile
-from serving.record import ControlStore, StoreLock
+from serving.record import ControlStore, PromotionRequest, StoreLock
 
 METRICS = """# HELP ray_raystack_requests_total x
 ray_raystack_requests_total{Component="a",model="calc",status_class="2xx",tenant="t",version="v1"} 90.0
@@ -107,6 +107,23 @@ def test_record_of_live_versions_keeps_other_models(tmp_path: Path) -> None:
         "a": [("v2", 100)],
         "b": [("v3", 100)],
     }
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_requests_queue_oldest_first_and_none_is_lost(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    root = f"s3://{request.getfixturevalue('s3_bucket')}/ck" if where == "s3" else str(tmp_path)
+    c = ControlStore(root, "s")
+    assert c.take_request("a") is None and c.pending_request("a") is None
+    keys = [c.submit("a", PromotionRequest(action="promote", version=v, at=0)) for v in ("v2", "v3")]
+    c.submit("b", PromotionRequest(action="abort", at=0))
+    taken = c.take_request("a")
+    assert taken is not None and taken[0] == keys[0] and taken[1].version == "v2"
+    assert c.pending_request("a", keys[0]) is None and c.pending_request("a", keys[1]) is not None
+    c.submit("a", taken[1], taken[0])  # put back where it was (a controller that lost its lock)
+    assert [r[1].version for r in (c.take_request("a"), c.take_request("a")) if r] == ["v2", "v3"]
+    assert c.take_request("a") is None and c.pending_request("b") is not None
 
 
 def test_lock_on_s3_is_a_conditional_write(s3_bucket: str) -> None:

@@ -37,7 +37,8 @@ def test_promote_submits_and_promotions_shows_each_step_and_reason(stack: tuple[
     r = _run("promote", "calc", "v2", "-c", str(config), "--steps", "50,100", "--no-follow")
     assert r.exit_code == 0, r.output
     assert "no promotion controller holds the store lock" in r.output  # none ran yet
-    request = json.loads((tmp / "ck" / ".control" / "t" / "requests" / "calc.json").read_text())
+    (queued,) = (tmp / "ck" / ".control" / "t" / "requests" / "calc").iterdir()
+    request = json.loads(queued.read_text())
     assert request["action"] == "promote" and request["overrides"] == {"steps": [50, 100]}
     clock, cluster = Clock(), None
     cluster = Cluster(clock)
