@@ -549,6 +549,7 @@ def failure_message(label: str, exc: BaseException) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m training.train",
+        fromfile_prefix_chars="@",  # @FILE: more arguments, one a line (serving up passes URIs so)
         description="Fine-tune a causal LM on JSONL data (Ray Train, DDP) and publish "
         "<root>/<model>/<version>/ with a manifest.",
     )

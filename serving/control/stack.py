@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -111,18 +112,28 @@ def ensure_models(cfg: StackConfig, base: Path, log: Any = print, on_built: Call
             p = Path(path)  # <root>/<model>/<version>
             # its own process: the job starts (and stops) its own private, authenticated Ray
             cmd = [sys.executable, "-m", "training.train", "--root", str(p.parent.parent)]
-            cmd += ["--model", p.parent.name, "--version", p.name, "--base", r.base, "--data", r.data]
+            cmd += ["--model", p.parent.name, "--version", p.name]
             cmd += ["--method", r.method, "--seed", str(r.seed)]
-            cmd += ["--eval", r.eval] if r.eval else []
             cmd += ["--steps", str(r.steps)] if r.steps else []
             cmd += ["--lora-rank", str(r.lora_rank)] if r.lora_rank else []
             cmd += ["--lora-alpha", str(r.lora_alpha)] if r.lora_alpha else []
-            if subprocess.run(cmd, check=False).returncode != 0:
+            uris = ["--base", r.base, "--data", r.data] + (["--eval", r.eval] if r.eval else [])
+            if _run_job(cmd, uris) != 0:
                 raise RuntimeError(f"{m.name}@{v.version}: the training job failed (its output is above)")
             jobs -= 1
         _check_layout(cfg, m, v, base)
         if built_now and jobs and on_built is not None:
             on_built()
+
+
+def _run_job(cmd: list[str], uris: list[str]) -> int:
+    """Run the training job ``cmd`` with the base, data and eval arguments ``uris`` in an
+    argument file (``@FILE``, mode 0600, removed after) rather than on its command line, which
+    every local user sees: a URI may carry a credential."""
+    with tempfile.NamedTemporaryFile("w", prefix="raystack-train-args-", suffix=".txt") as fh:
+        fh.write("\n".join(uris) + "\n")
+        fh.flush()
+        return subprocess.run([*cmd, f"@{fh.name}"], check=False).returncode
 
 
 def _check_layout(cfg: StackConfig, model: ModelConfig, version: ModelVersion, base: Path) -> None:
