@@ -125,10 +125,10 @@ class RoutingTable:
                     "No model was named and no default model is configured.", param="model", code="model_not_found"
                 )
             requested = self.default_model
-        name, _, version = requested.partition("@")
+        name, at, version = requested.partition("@")
         model = self.lookup(name)
-        if version:
-            chosen = model.version(version)
+        if at:  # ``name@`` names no version: an error, not the split
+            chosen = model.version(version) if version else None
             if chosen is None:
                 raise NotFound(
                     f"The model '{requested}' does not exist or you do not have access to it.",
