@@ -4,9 +4,12 @@ evaluation on a synthetic Locust CSV, and the benchmark's table (issue 7/8)."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import random
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -313,6 +316,56 @@ def test_rounds_alternate_the_order_and_report_medians() -> None:
     # the median of the per-round ratios (each pair measured close in time), not the ratio of
     # the medians (88 / 100)
     assert lines[5] == "| median | 8 | **0.80x** | **+6 ms** |"
+
+
+def test_bench_runs_each_round_in_its_order_and_writes_the_medians(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m loadtests.bench --rounds 2`` with servers that only note their start: each
+    round starts every server in its order (ABBA) and the files hold each round and the medians.
+    The real servers run in tests/e2e/test_bench.py (one round)."""
+    from contextlib import contextmanager
+
+    from loadtests import bench
+
+    started: list[str] = []
+    figures = iter([10.0, 11.0, 20.0, 22.0, 30.0, 33.0, 40.0, 44.0])  # requests/s, in measuring order
+
+    def measure(server: Any, make: Any, path: str, levels: list[int], *_: Any) -> list[dict[str, Any]]:
+        assert path == "/v1/completions" and make() is not None
+        rows = []
+        for c in levels:
+            rps = next(figures)
+            rows.append(
+                {"concurrency": c, "requests": 8, "failures": 0, "requests_per_s": rps, "output_tokens_per_s": rps * 64}
+                | {"ttft_p50_ms": 100 / rps, "ttft_p99_ms": 200 / rps, "itl_p50_ms": 2.0, "itl_p99_ms": 3.0}
+                | {"load_before": 1.0, "cores_by_group": {"engine core": 0.9, "benchmark client": 0.3}}
+            )
+        return rows
+
+    @contextmanager
+    def running(server: Any, timeout: float) -> Any:
+        yield server
+
+    monkeypatch.setattr(bench, "make_server", lambda kind, *a, **k: started.append(kind) or SimpleNamespace(proc=None))
+    monkeypatch.setattr(bench, "running", running)
+    monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(bench, "prompt_pool", lambda *a, **k: ["12+30="])
+    out = tmp_path / "out"
+    argv = ["--model-dir", str(tmp_path), "--out", str(out), "--servers", "ours,bare", "--rounds", "2"]
+    bench.main([*argv, "--concurrency", "1", "4", "--requests", "8", "--settle-s", "0"])
+    assert started == ["ours", "bare", "bare", "ours"]
+    doc = json.loads((out / "bench.json").read_text())
+    assert [r["order"] for r in doc["rounds"]] == [["ours", "bare"], ["bare", "ours"]]
+    assert [r["requests_per_s"] for r in doc["rounds"][1]["results"]["ours"]] == [40.0, 44.0]
+    ours = doc["results"]["ours"]
+    assert [(r["rounds"], r["requests_per_s"], r["requests_per_s_rounds"]) for r in ours] == [
+        (2, 25.0, [10.0, 40.0]),
+        (2, 27.5, [11.0, 44.0]),
+    ]
+    table = (out / "bench.md").read_text()
+    assert table.startswith("Medians of 2 rounds") and "| 2 (bare,ours) | 4 |" in table and "| median | 4 |" in table
+    assert (out / "bench.png").stat().st_size > 10_000
 
 
 def test_char_tokenizer_and_exact_length_prompts(tmp_path: Path) -> None:
