@@ -20,26 +20,26 @@ job with that exception on one line, like every other error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import logging
 import math
 import os
-import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from serving.config import LOCAL_RAY_LOOPBACK
 from serving.registry import CheckpointStore, RegistryError, architecture_of, check_name
 from training.bases import BaseError, ResolvedBase, is_store_ref, parameter_count, resolve_base
 from training.encode import EncodeError
 from training.jsonl import DataError, Dataset, resolve_data
 from training.lora import LoraOptions, check_targets
+from training.ray_runtime import PrivateRayRefused, init_ray, run_trainer
+from training.run_lock import RunLocked, run_lock
 
 __all__ = [
     "DEFAULT_CHECKPOINT_EVERY",
@@ -56,8 +56,6 @@ DEFAULT_CHECKPOINT_EVERY = 200
 METHODS = ("full", "lora")
 JOB_FILE = "job.json"
 DEFAULT_WORKERS = 2
-PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-HEALTH_CHECK_INTERVAL = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 CACHE_DIR = Path(os.environ.get("RAYSTACK_CACHE", Path.home() / ".cache" / "raystack"))
 
 
@@ -138,141 +136,6 @@ def _checkpoints(store: CheckpointStore, run: str) -> list[str]:
     entries = store.fs.ls(run, detail=True)
     names = [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory"]
     return sorted(n for n in names if n.startswith("checkpoint_"))
-
-
-def _init_ray(workers: int, ray_address: str | None) -> Callable[[], None] | None:
-    """Connect to (or start) Ray; returns how to stop it when this call started it.
-
-    Ray reads its authentication mode and whether its node may take a network address when it is
-    first imported, so the job starts a private instance (token authentication, loopback only)
-    only in a process that has not imported Ray yet: the CLI, the subprocess ``serving up`` runs.
-    In any other process it uses the Ray already initialised there, or the one at ``ray_address``
-    (``RAY_ADDRESS``), and refuses to start one (:func:`_refuse_private_ray`)."""
-    address = ray_address or os.environ.get("RAY_ADDRESS")
-    fresh = "ray" not in sys.modules
-    restore = _private_ray_auth() if fresh and not address else None
-    if fresh and address and address.split("://")[-1].rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
-        _set_environ(LOCAL_RAY_LOOPBACK)  # a local stack's head (serving.control.stack.ray_env)
-    import ray
-
-    if ray.is_initialized():
-        return None
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return ray.shutdown
-    _refuse_private_ray(fresh)
-    # Logical CPUs: one per rank plus headroom; each rank sets its own torch thread count. No
-    # dashboard and no job API: nothing but this process uses the instance (_private_trainer).
-    num_cpus = max(workers + 1, os.cpu_count() or 1)
-    # Ray Train's preemption watcher polls for nodes being drained; this instance is one node that
-    # lives and dies with this process, and the watcher's creation logs an internal error line.
-    # The controller polls its workers every 2 s by default, and each step of the worker group's
-    # start and end waits for a poll: every 0.5 s, a job ends about 3 s sooner (docs/training.md).
-    put_back = _set_environ({PREEMPTION_WATCHER: "0", HEALTH_CHECK_INTERVAL: "0.5"})
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
-
-    def stop() -> None:
-        ray.shutdown()
-        put_back()
-        if restore is not None:
-            restore()
-
-    return stop
-
-
-def _refuse_private_ray(fresh: bool) -> None:
-    """Raise unless this process imported Ray only after :func:`_private_ray_auth` set its
-    environment: a Ray started here otherwise has no token authentication, and its daemons and
-    metrics ports listen on the machine's network address."""
-    if not fresh:
-        raise TrainingError(
-            "this process imported Ray before the training job could set up its private Ray "
-            "(token authentication, loopback only, which Ray reads when first imported); pass "
-            "ray_address (or set RAY_ADDRESS) to train on a running cluster, or run the job in a "
-            "process of its own: python -m training.train"
-        )
-
-
-def _set_environ(values: Mapping[str, str | None]) -> Callable[[], None]:
-    """Set ``values`` in this process's environment (Ray's processes inherit it; ``None`` removes
-    a variable); returns what puts each variable back as it was, or removes it."""
-    saved = {k: os.environ.get(k) for k in values}
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-    def put_back() -> None:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-    return put_back
-
-
-def _private_ray_auth() -> Callable[[], None]:
-    """Token authentication for the job's own Ray instance: a random token held only in this
-    process's environment (which Ray's processes inherit and no other user can read), never in a
-    file, so a killed job leaves no token behind; and loopback only (``LOCAL_RAY_LOOPBACK``: its
-    GCS, its workers and the DDP ranks' rendezvous on 127.0.0.1). Returns what puts the
-    environment back."""
-    token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_AUTH_TOKEN_PATH": None}
-    return _set_environ({**token, **LOCAL_RAY_LOOPBACK})
-
-
-def _private_trainer(base: Any) -> Any:
-    """``TorchTrainer`` without Ray Train's placement-group cleaner, for the job's own Ray.
-
-    The cleaner is a detached actor that polls Ray's state API (served by the dashboard) every
-    second to remove the job's placement group should the controller die ungracefully. On a
-    private instance that lives and dies with this process there is nothing to clean, and without
-    a dashboard each poll fails with a warning on the console.
-    """
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-
-    class Trainer(base):  # type: ignore[misc]
-        def _create_default_callbacks(self) -> list[Any]:
-            callbacks = super()._create_default_callbacks()
-            return [c for c in callbacks if not isinstance(c, PlacementGroupCleanerCallback)]
-
-    return Trainer
-
-
-def _run_trainer(
-    store: CheckpointStore, run: str, config: dict[str, Any], workers: int, use_gpu: bool | None, private: bool
-) -> Any:
-    import ray
-    from ray.train.v2.api.config import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.v2.torch.torch_trainer import TorchTrainer
-
-    from training.loop import train_loop_per_worker
-
-    if use_gpu is None:
-        use_gpu = ray.cluster_resources().get("GPU", 0) >= workers
-    storage_path, name = run.rsplit("/", 1)
-    storage_filesystem = None
-    if not store.is_local:
-        from pyarrow.fs import FSSpecHandler, PyFileSystem
-
-        storage_filesystem = PyFileSystem(FSSpecHandler(store.fs))
-    trainer = (_private_trainer(TorchTrainer) if private else TorchTrainer)(
-        train_loop_per_worker,
-        train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
-        run_config=RunConfig(
-            name=name,
-            storage_path=storage_path,
-            storage_filesystem=storage_filesystem,
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
-            failure_config=FailureConfig(max_failures=0),
-            # Ray Train logs every report() at INFO on the console; warnings and errors still show.
-            logging_config=LoggingConfig(log_level="WARNING"),
-        ),
-    )
-    return trainer.fit()
 
 
 def _encode(base: ResolvedBase, train_set: Dataset, eval_set: Dataset) -> dict[str, Any]:
@@ -391,20 +254,33 @@ def train(
             "an adapter records the exact base version it applies to, and only a store version has one"
         )
     store = CheckpointStore(root)
+    _refuse_existing(store, model, version)
+    opts |= {"use_gpu": use_gpu, "ray_address": ray_address, "keep_run": keep_run}
+    opts |= {"lora": (lora or LoraOptions()) if method == "lora" else None}
+    try:
+        with run_lock(store, model, version):
+            _refuse_existing(store, model, version)  # published by the job that held the lock
+            workdir = Path(tempfile.mkdtemp(prefix="train-"))
+            try:
+                return _train(store, model, version, base, data, eval_data, method, seed, workdir, opts)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+    except (RunLocked, PrivateRayRefused) as exc:
+        raise TrainingError(str(exc)) from None
+    finally:  # the folders the lock made, where they hold nothing else
+        runs = store.run_path(model, version).rsplit("/", 1)[0]
+        for folder in (runs, runs.rsplit("/", 1)[0]):
+            with contextlib.suppress(OSError):
+                if store.fs.isdir(folder) and not store.fs.ls(folder):
+                    store.fs.rmdir(folder)
+
+
+def _refuse_existing(store: CheckpointStore, model: str, version: str) -> None:
     if store.exists(model, version):
         raise TrainingError(
             f"{model}@{version} already exists at {store.uri(model, version)}; "
             "versions are immutable, pick a new version name"
         )
-    workdir = Path(tempfile.mkdtemp(prefix="train-"))
-    try:
-        opts |= {"use_gpu": use_gpu, "ray_address": ray_address}
-        opts |= {"lora": (lora or LoraOptions()) if method == "lora" else None}
-        return _train(
-            store, model, version, base, data, eval_data, method, seed, workdir, opts | {"keep_run": keep_run}
-        )
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _train(
@@ -470,10 +346,7 @@ def _train(
     manifest = store.publish(Path(outcome["hf"]), fields)
     shutil.rmtree(Path(outcome["hf"]).parent, ignore_errors=True)  # the publish- folder it was copied into
     if not opts["keep_run"]:
-        store.fs.rm(run, recursive=True)
-        runs = run.rsplit("/", 1)[0]
-        if store.fs.isdir(runs) and not store.fs.ls(runs):
-            store.fs.rmdir(runs)
+        store.fs.rm(run, recursive=True)  # .runs/ itself goes once the lock is released (train)
     return manifest.model_dump(mode="json")
 
 
@@ -489,7 +362,7 @@ def _fit(
 ) -> tuple[dict[str, Any], int]:
     """Run the trainer; returns the final ``result.json`` (plus a local copy of ``hf/``)."""
     workers = int(opts["workers"])
-    stop_ray = _init_ray(workers, opts["ray_address"])  # first: before this process imports Ray
+    stop_ray = init_ray(workers, opts["ray_address"])  # first: before this process imports Ray
     import ray
     from ray.train.v2.api.exceptions import TrainingFailedError
 
@@ -507,7 +380,7 @@ def _fit(
             config["extra"] = {"lora": opts["lora"].as_dict(), "base_ref": base.ref.ref}
         try:
             private = stop_ray is not None and opts["ray_address"] is None and not os.environ.get("RAY_ADDRESS")
-            result = _run_trainer(store, run, config, workers, opts["use_gpu"], private)
+            result = run_trainer(store, run, config, workers, opts["use_gpu"], private)
         except TrainingFailedError as exc:
             raise TrainingError(f"{failure_message(label, exc)}; {_what_is_left(store, run)}") from None
         finally:

@@ -159,8 +159,8 @@ def test_the_jobs_own_ray_needs_its_token() -> None:
     after."""
     probe = """
 import os
-from training.train import _init_ray
-stop = _init_ray(1, None)
+from training.ray_runtime import init_ray
+stop = init_ray(1, None)
 import ray
 import subprocess, sys
 node = ray._private.worker.global_worker.node

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from training.train import TrainingError, _init_ray
+from training.ray_runtime import PrivateRayRefused, init_ray
 
 
 def test_no_private_ray_in_a_process_that_imported_ray_already(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -17,8 +17,8 @@ def test_no_private_ray_in_a_process_that_imported_ray_already(monkeypatch: pyte
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: started.append(kw))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    with pytest.raises(TrainingError, match="pass ray_address .* python -m training.train"):
-        _init_ray(1, None)
+    with pytest.raises(PrivateRayRefused, match="pass ray_address .* python -m training.train"):
+        init_ray(1, None)
     assert started == []
 
 
@@ -29,7 +29,7 @@ def test_a_given_address_or_an_initialised_ray_is_used(monkeypatch: pytest.Monke
     monkeypatch.setattr(ray, "init", lambda **kw: started.append(kw))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    assert _init_ray(1, None) is None and started == []  # the caller's Ray, left running
+    assert init_ray(1, None) is None and started == []  # the caller's Ray, left running
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    assert _init_ray(1, "10.0.0.5:6379") is ray.shutdown
+    assert init_ray(1, "10.0.0.5:6379") is ray.shutdown
     assert started == [{"address": "10.0.0.5:6379", "log_to_driver": True}]
