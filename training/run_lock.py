@@ -89,7 +89,7 @@ def _lease(store: CheckpointStore, path: str, label: str, ttl_s: float) -> Itera
         until = float((leases.read_lock() or {}).get("expires_at", 0)) - time.time()
         raise RunLocked(
             f"another training job of {label} is running ({holder}); its lease at "
-            f"{store.fs.unstrip_protocol(path)} lapses {max(until, 0):.0f}s after its last renewal"
+            f"{store.fs.unstrip_protocol(path)} lapses in {max(until, 0):.0f}s unless that job renews it"
         )
     stop = threading.Event()
 

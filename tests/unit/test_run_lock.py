@@ -58,7 +58,7 @@ def test_an_s3_lease_refuses_a_second_job_until_released(s3_bucket: str) -> None
         store.fs.invalidate_cache()
         assert store.fs.isfile(lease)
         started = time.time()
-        with pytest.raises(RunLocked, match=r"another training job of m@v1 is running .* lapses \d+s after"):
+        with pytest.raises(RunLocked, match=r"another training job of m@v1 is running .* lapses in \d+s unless"):
             with run_lock(CheckpointStore(root), "m", "v1"):
                 pass
         assert time.time() - started < 10
