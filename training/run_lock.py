@@ -85,8 +85,8 @@ def _lease(store: CheckpointStore, path: str, label: str, ttl_s: float) -> Itera
     leases.base = path  # lock.json in <version>.lock/
     lock = StoreLock(leases, _holder(), ttl_s)
     if not lock.acquire():
-        holder = (leases.read_lock() or {}).get("holder", "another job")
-        until = float((leases.read_lock() or {}).get("expires_at", 0)) - time.time()
+        current = leases.read_lock() or {}
+        holder, until = current.get("holder", "another job"), float(current.get("expires_at", 0)) - time.time()
         raise RunLocked(
             f"another training job of {label} is running ({holder}); its lease at "
             f"{store.fs.unstrip_protocol(path)} lapses in {max(until, 0):.0f}s unless that job renews it"
