@@ -14,7 +14,12 @@ from serving.config import load_config
 from serving.control.stack import StackState, ray_env
 from tests.conftest import ROOT, Stack
 
-__all__ = ["ray_run"]
+__all__ = ["endpoint_records", "ray_run"]
+
+RECORDS = """
+from serving.gateway.replicas import RayKV, read_records
+print(json.dumps([r.__dict__ | {"adapters": sorted(r.adapters)} for r in read_records(RayKV())]))
+"""
 
 
 def ray_run(stack: Stack, body: str, timeout_s: float = 120, env: dict[str, str] | None = None) -> Any:
@@ -33,3 +38,9 @@ def ray_run(stack: Stack, body: str, timeout_s: float = 120, env: dict[str, str]
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def endpoint_records(stack: Stack, app: str) -> list[dict[str, Any]]:
+    """The endpoint records of ``app``'s model replicas (url, token, replica id, adapters, ...)
+    that the gateways read from Ray's key-value store."""
+    return [r for r in ray_run(stack, RECORDS) if r["app"] == app]

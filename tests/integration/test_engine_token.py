@@ -13,14 +13,9 @@ from serving.config import load_config
 from serving.control.serve_config import build_serve_config
 from serving.replica.engine import EngineSpec, vllm_command, vllm_env
 from tests.conftest import Stack
-from tests.integration.raytools import ray_run
+from tests.integration.raytools import endpoint_records
 
 pytestmark = pytest.mark.integration
-
-RECORDS = """
-from serving.gateway.replicas import RayKV, read_records
-print(json.dumps([r.__dict__ | {"adapters": sorted(r.adapters)} for r in read_records(RayKV())]))
-"""
 
 
 def _engine_routes(stack: Stack, app: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
@@ -48,7 +43,7 @@ def _engine_routes(stack: Stack, app: str, monkeypatch: pytest.MonkeyPatch) -> l
 
 
 def test_every_engine_route_needs_the_replica_token(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
-    records = [r for r in ray_run(stack, RECORDS) if r["app"] == "adder--v1"]
+    records = endpoint_records(stack, "adder--v1")
     assert len(records) == 2  # both replicas published their endpoint
     routes = _engine_routes(stack, "adder--v1", monkeypatch)
     paths = {p for _, p in routes}

@@ -16,15 +16,11 @@ from serving.gateway.core import tenant_cache_salt
 from serving.gateway.kv_index import KVFeeds
 from serving.metrics import parse_prometheus_values
 from tests.conftest import Stack
-from tests.integration.raytools import ray_run
+from tests.integration.raytools import endpoint_records
 
 pytestmark = pytest.mark.integration
 
 APP = "adder-kv--v1"
-RECORDS = """
-from serving.gateway.replicas import RayKV, read_records
-print(json.dumps([r.__dict__ | {"adapters": sorted(r.adapters)} for r in read_records(RayKV())]))
-"""
 HITS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
 
 
@@ -50,7 +46,7 @@ def _chat(stack: Stack, system: str, user: str, model: str = "adder-kv") -> http
 
 
 def test_a_repeated_long_prefix_goes_to_the_replica_whose_engine_has_it_cached(stack: Stack) -> None:
-    records = {r["replica"]: r for r in ray_run(stack, RECORDS) if r["app"] == APP}
+    records = {r["replica"]: r for r in endpoint_records(stack, APP)}
     assert len(records) == 2 and all(r["events"] for r in records.values()), records
     before = {rep: _counters(rec) for rep, rec in records.items()}
     prefixes = [f"Session {k}: you add two numbers and answer with the sum only. " * 12 for k in range(4)]
@@ -107,9 +103,7 @@ def test_an_adapters_blocks_carry_its_name_in_the_engines_events_and_the_gateway
     assert replies[0].json()["usage"]["prompt_tokens"] > 2 * 128  # at least two full CPU blocks
     served = [r.headers["x-replica"] for r in replies]
     assert len(set(served)) == 1, served  # repeats go to the replica that holds the adapter and prefix
-    records = [
-        Record(**(r | {"adapters": frozenset(r["adapters"])})) for r in ray_run(stack, RECORDS) if r["app"] == APP
-    ]
+    records = [Record(**(r | {"adapters": frozenset(r["adapters"])})) for r in endpoint_records(stack, APP)]
     state = asyncio.run(_engine_state(records, system, "kv-lora@v1"))
     assert state[served[0]][0] >= 2, state  # the engine's events, keyed with the adapter's name
     assert all(base == 0 for _, base in state.values()), state  # never as the base's blocks
@@ -120,7 +114,7 @@ def test_one_tenants_cached_prefix_is_not_reused_for_another_tenants_request(sta
     ``adder``): the second tenant's request finds none of the first's blocks in the engine's cache
     (its time to first token cannot tell that the prompt was sent before), while the first
     tenant's own repeat finds them all."""
-    records = {r["replica"]: r for r in ray_run(stack, RECORDS) if r["app"] == "adder--v1"}
+    records = {r["replica"]: r for r in endpoint_records(stack, "adder--v1")}
     system = "Tenant note: the vault code is 4417; you add two numbers and answer with the sum only. " * 10
 
     def chat(tenant: str) -> str:

@@ -15,13 +15,16 @@ import time
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from serving.config import load_config
 from serving.metrics import samples
+from serving.replica.placement import engine_core_pid
 from tests.conftest import Stack
+from tests.integration.raytools import endpoint_records
 from tests.integration.test_failover import _replica_pids, _wait_replicas
-from tests.integration.test_liveness import engine_victim
+from tests.integration.test_liveness import _api_server_pid
 
 pytestmark = pytest.mark.integration
 
@@ -78,10 +81,38 @@ def _migrations(stack: Stack) -> float:
     )
 
 
+def _engines(stack: Stack) -> list[tuple[int, int, str, str]]:
+    """(replica pid, EngineCore pid, engine url, engine token) of each ``adder`` replica with a
+    running engine, matched to its endpoint record by the port its API server listens on."""
+    by_port = {int(r["url"].rsplit(":", 1)[1]): r for r in endpoint_records(stack, APP)}
+    engines = []
+    for pid in _replica_pids(APP):
+        try:
+            api = psutil.Process(_api_server_pid(pid))
+            ports = {c.laddr.port for c in api.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        except (AssertionError, psutil.Error):  # a replica an earlier test's fault is still retiring
+            continue
+        core = engine_core_pid(api.pid)
+        record = next((by_port[p] for p in ports if p in by_port), None)
+        if core is not None and record is not None:
+            engines.append((pid, core, record["url"], record["token"]))
+    return engines
+
+
+async def _running(c: httpx.AsyncClient, url: str, token: str) -> float:
+    """The requests an engine is running now (its own gauge)."""
+    r = await c.get(f"{url}/metrics", headers={"authorization": f"Bearer {token}"})
+    return sum(v for _, _, v in samples(r.text, "vllm:num_requests_running"))
+
+
 def test_streams_on_a_killed_engine_continue_on_the_other_replica(stack: Stack) -> None:
     _wait_replicas(stack, APP, 2, 300)
     before = _migrations(stack)
-    victim, core = engine_victim(APP)
+    deadline = time.monotonic() + 120
+    while len(engines := _engines(stack)) < 2:
+        assert time.monotonic() < deadline, f"two adder engines with endpoint records: {engines}"
+        time.sleep(2)
+    killed: list[int] = []
 
     async def run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         async with httpx.AsyncClient(timeout=300, headers=stack.headers()) as c:
@@ -95,6 +126,11 @@ def test_streams_on_a_killed_engine_continue_on_the_other_replica(stack: Stack) 
             tasks = [asyncio.create_task(client(i)) for i in range(CLIENTS)]
             while min(seen) < 8:  # every client's first stream is under way
                 await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(timeout=10) as probe:
+                running = await asyncio.gather(*(_running(probe, url, token) for _, _, url, token in engines))
+            assert max(running) > 0, f"no adder engine runs a stream: {running}"
+            victim, core, _, _ = engines[running.index(max(running))]
+            killed.append(victim)
             os.kill(core, signal.SIGKILL)
             return reference, [r for rs in await asyncio.gather(*tasks) for r in rs]
 
@@ -112,7 +148,7 @@ def test_streams_on_a_killed_engine_continue_on_the_other_replica(stack: Stack) 
         time.sleep(2)
     # Serve replaces the replica whose engine died; later tests see two again
     deadline = time.monotonic() + 300
-    while victim in _replica_pids(APP):
+    while killed[0] in _replica_pids(APP):
         assert time.monotonic() < deadline, "the replica with the dead engine was not replaced"
         time.sleep(1)
     _wait_replicas(stack, APP, 2, 300)
