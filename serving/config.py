@@ -494,7 +494,10 @@ class GatewayConfig(_Strict):
     max_client_connections: int = Field(
         4096,
         ge=1,
-        description="(ingress listener) Open client connections per gateway replica; beyond them: 503 at once.",
+        description=(
+            "(ingress listener) Open client connections per gateway replica; beyond them: 503 on the request"
+            " line (Anthropic's error shape on `/v1/messages`)."
+        ),
     )
     max_n: int = Field(8, ge=1, le=128, description="Largest `n` (choices per request); larger gets 400.")
     default_model: str | None = Field(None, description="Model used when a request names none.")

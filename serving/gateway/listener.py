@@ -22,7 +22,10 @@ Slow and idle clients: uvicorn bounds only the idle time between requests (``kee
 :class:`GuardedHttpTools` (uvicorn's httptools protocol plus deadlines) also gives a request
 ``header_timeout_s`` to send its headers, counted from its first byte (from the connection's start
 for the first request), and ``body_timeout_s`` more for its body, then answers 408 and closes; and
-it refuses connections beyond ``max_connections`` with a 503 at once.
+it refuses connections beyond ``max_connections`` with a 503 as soon as their request line names
+the path (Anthropic's error shape on ``/v1/messages``, OpenAI's elsewhere), without parsing
+the rest or running the app; one that sends no request line within ``header_timeout_s`` gets
+OpenAI's.
 """
 
 from __future__ import annotations
@@ -52,9 +55,14 @@ _SLOW = "The request was not received in time."
 _TOO_SLOW = _raw_error(408, "Request Timeout", error_body(_SLOW, "invalid_request_error"))
 # a body too slow on /v1/messages...: the path is known by then, so Anthropic's shape
 _TOO_SLOW_ANTHROPIC = _raw_error(408, "Request Timeout", anthropic_error_body(408, _SLOW))
-_BUSY = _raw_error(
-    503, "Service Unavailable", error_body("Too many connections; retry shortly.", "service_unavailable")
-)
+_BUSY_MESSAGE = "Too many connections; retry shortly."
+_BUSY = _raw_error(503, "Service Unavailable", error_body(_BUSY_MESSAGE, "service_unavailable"))
+_BUSY_ANTHROPIC = _raw_error(503, "Service Unavailable", anthropic_error_body(503, _BUSY_MESSAGE))
+_REQUEST_LINE_MAX = 8192  # bytes a refused connection may send before its request line is given up on
+
+
+def _is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
 
 
 class GuardedHttpTools(HttpToolsProtocol):
@@ -72,12 +80,19 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
+        self._refused: bytearray | None = None  # over the limit: what came before the request line
         super().connection_made(transport)
         if self.max_connections and len(self.connections) > self.max_connections:
-            transport.write(_BUSY)
-            transport.close()
-            return
+            self._refused = bytearray()
         self._arm(self.header_timeout_s)
+
+    def _refuse(self, head: bytes) -> None:
+        """Answer a connection over the limit with a 503 in the shape of the path in ``head``
+        (its request line, or b"" when none came) and close it."""
+        self._disarm()
+        parts = head.decode("latin-1").split(" ", 2)
+        self.transport.write(_BUSY_ANTHROPIC if len(parts) > 1 and _is_anthropic(parts[1]) else _BUSY)
+        self.transport.close()
 
     def _arm(self, seconds: float) -> None:
         self._disarm()
@@ -92,13 +107,23 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._deadline = None
         if self.transport.is_closing():
             return
+        if self._refused is not None:
+            self._refuse(b"")
+            return
         if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
             # headers complete (a body too slow): the path is known, so is the error's shape
             path = str(self.cycle.scope.get("path", "")) if self.cycle is not None else ""
-            self.transport.write(_TOO_SLOW_ANTHROPIC if path.startswith("/v1/messages") else _TOO_SLOW)
+            self.transport.write(_TOO_SLOW_ANTHROPIC if _is_anthropic(path) else _TOO_SLOW)
         self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused is not None:
+            if not self.transport.is_closing():
+                self._refused += data
+                end = self._refused.find(b"\r\n")
+                if end >= 0 or len(self._refused) >= _REQUEST_LINE_MAX:
+                    self._refuse(bytes(self._refused[:end] if end >= 0 else self._refused))
+            return
         if self._deadline is None and (self.cycle is None or self.cycle.response_complete):
             self._arm(self.header_timeout_s)  # the first bytes of another request on this connection
         super().data_received(data)

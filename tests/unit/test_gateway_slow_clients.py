@@ -106,16 +106,39 @@ async def test_a_kept_alive_connection_gets_the_header_deadline_again() -> None:
         writer.close()
 
 
-async def test_connections_beyond_the_limit_get_a_503_at_once() -> None:
-    async with http_replica(_ok) as url, _listener(url, max_connections=2) as (port, _, _):
+async def test_connections_beyond_the_limit_get_a_503_in_their_routes_shape_at_once() -> None:
+    async with http_replica(_ok) as url, _listener(url, max_connections=2, header_timeout_s=0.5) as (port, _, _):
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         await asyncio.sleep(0.1)
+        answers = {}
+        for path in ("/v1/completions", "/v1/messages", "/v1/messages/count_tokens"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST %s HTTP/1.1\r\n" % path.encode())  # the request line is enough
+            await writer.drain()
+            started = time.monotonic()
+            answers[path] = await _read_all(reader, 5)
+            assert time.monotonic() - started < 0.4, path  # not after the header timeout
+            writer.close()
+        assert answers["/v1/completions"].startswith(b"HTTP/1.1 503")
+        assert b'"type":"service_unavailable"' in answers["/v1/completions"]
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            assert answers[path].startswith(b"HTTP/1.1 503")
+            assert (
+                b'{"type":"error","error":{"type":"overloaded_error","message":"Too many connections' in answers[path]
+            )
+        # one that sends nothing gets OpenAI's 503 after the header timeout
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         got = await _read_all(reader, 5)
         assert got.startswith(b"HTTP/1.1 503") and b'"type":"service_unavailable"' in got
         writer.close()
-        for _, w in held:
+        for _, w in held:  # once they close, a new connection is served
             w.close()
+        await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(BODY), BODY))
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+        writer.close()
 
 
 async def test_a_client_leaving_a_non_streamed_request_cancels_the_engine_work() -> None:
