@@ -15,33 +15,23 @@ controller writes a step still marked into ``live.json`` at its next poll. So wh
 ``live.json`` (a restarted controller, ``serving up``) applies the step that was in progress, never
 an older one. Every file is replaced whole (write, then read back).
 
-The lock is a lease: ``{holder, token, expires_at}``. A controller takes it when it is absent,
-expired or its own, renews it every poll and checks it before every write; a controller that sees
-another holder's unexpired lease only watches. Taking or renewing it is a compare-and-set:
-
-- on a local (or NFS) store, under an ``flock``;
-- on S3 (s3fs), a conditional write: ``If-None-Match: *`` creates the lease only if there is none,
-  ``If-Match: <ETag read>`` replaces exactly the lease that was read, so of two clusters that read
-  the same expired lease one write succeeds and the other gets 412 and watches;
-- on another object store, which has no conditional write through fsspec, write then read back
-  after a settle delay (the later writer wins and the earlier sees it lost).
+The lock is a lease (:mod:`serving.lease`) in ``lock.json``: one controller of a stack is active.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field
+
+from serving.lease import LeaseFile
 
 __all__ = [
     "ACTIVE",
@@ -50,7 +40,6 @@ __all__ = [
     "PromotionRecord",
     "PromotionRequest",
     "StepRecord",
-    "StoreLock",
 ]
 
 Status = Literal["deploying", "stepping", "finishing", "promoted", "rolled_back", "refused", "aborted"]
@@ -113,6 +102,7 @@ class ControlStore:
         self.root, self.stack = root, stack
         self.fs, path = fsspec.core.url_to_fs(root)
         self.base = f"{path.rstrip('/')}/.control/{stack}"
+        self.lease = LeaseFile(self.fs, self.base)  # the active controller's lease, lock.json
 
     @property
     def is_local(self) -> bool:
@@ -224,109 +214,3 @@ class ControlStore:
             if raw is not None:
                 return PromotionRequest.model_validate_json(raw)
         return None
-
-    # -- lock primitives (used by StoreLock) ----------------------------------------------------
-
-    @contextlib.contextmanager
-    def _mutex(self) -> Iterator[None]:
-        if not self.is_local:
-            yield
-            return
-        os.makedirs(self.base, exist_ok=True)
-        with open(f"{self.base}/lock.flock", "a") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-
-    def read_lock(self) -> dict[str, Any] | None:
-        raw = self._read("lock.json")
-        return None if raw is None else dict(json.loads(raw))
-
-    @property
-    def conditional(self) -> bool:
-        """Whether writes can be made conditional on what was read (S3's If-Match/If-None-Match)."""
-        return "s3" in tuple(self.fs.protocol)
-
-    def read_lock_tagged(self) -> tuple[dict[str, Any] | None, str | None]:
-        """The lease and the ETag it was read under (``None, None`` when there is none).
-
-        The ETag is read first: if the object changes before its body is read, the conditional
-        write with the older ETag fails, which is the safe outcome."""
-        path = f"{self.base}/lock.json"
-        try:
-            etag = str(self.fs.info(path, refresh=True)["ETag"])
-        except FileNotFoundError:
-            return None, None
-        return self.read_lock(), etag
-
-    def write_lock_if(self, body: dict[str, Any], etag: str | None) -> bool:
-        """Write the lease only if the object is still the one read under ``etag`` (``None``: only
-        if there is none); False when another writer got there first."""
-        path, data = f"{self.base}/lock.json", json.dumps(body).encode()
-        try:
-            if etag is None:
-                self.fs.pipe_file(path, data, mode="create")
-            else:
-                self.fs.pipe_file(path, data, IfMatch=etag)
-        except (FileExistsError, FileNotFoundError):  # created, or deleted, since it was read
-            return False
-        except OSError as exc:  # s3fs raises 412 Precondition Failed as EINVAL
-            if exc.errno == errno.EINVAL:
-                return False
-            raise
-        return True
-
-
-class StoreLock:
-    """The lease that makes one controller of a stack active (see the module docstring)."""
-
-    def __init__(
-        self,
-        store: ControlStore,
-        holder: str,
-        ttl_s: float,
-        clock: Callable[[], float] = time.time,
-        settle_s: float = 1.0,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        self.store, self.holder, self.ttl_s = store, holder, ttl_s
-        self.clock, self.settle_s, self.sleep = clock, settle_s, sleep
-        self.token = secrets.token_hex(8)
-
-    def _claim(self, current: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The lease to write over ``current``, or None while another holder's has not expired."""
-        now = self.clock()
-        if current and current.get("token") != self.token and float(current.get("expires_at", 0)) > now:
-            return None
-        return {"holder": self.holder, "token": self.token, "expires_at": now + self.ttl_s}
-
-    def acquire(self) -> bool:
-        """Take or renew the lease; False if another holder's lease has not expired."""
-        if self.store.conditional:
-            current, etag = self.store.read_lock_tagged()
-            body = self._claim(current)
-            return body is not None and self.store.write_lock_if(body, etag)
-        with self.store._mutex():
-            body = self._claim(self.store.read_lock())
-            if body is None:
-                return False
-            self.store._write("lock.json", json.dumps(body).encode())
-        if not self.store.is_local:  # no mutex: the last writer wins, so look again
-            self.sleep(self.settle_s)
-        return self.held()
-
-    def held(self) -> bool:
-        current = self.store.read_lock()
-        return bool(current and current.get("token") == self.token and float(current["expires_at"]) > self.clock())
-
-    def release(self) -> None:
-        if self.store.conditional:  # expire it, only if it is still ours
-            current, etag = self.store.read_lock_tagged()
-            if current and current.get("token") == self.token:
-                self.store.write_lock_if(current | {"expires_at": 0.0}, etag)
-            return
-        with self.store._mutex():
-            if self.held():
-                self.store._delete("lock.json")

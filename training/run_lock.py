@@ -8,7 +8,7 @@ run until after it published or failed; a second job is refused at once with who
 - A local (or NFS) store: an ``flock`` on that file, held by the job's driver process. The kernel
   drops it when the process dies, so a killed job's rerun is never locked out.
 - An object store (``s3://`` ...): a lease, ``<version>.lock/lock.json``, taken and renewed like
-  the promotion controller's (:class:`serving.record.StoreLock`: a conditional write on S3) every
+  the promotion controller's (:class:`serving.lease.StoreLock`: a conditional write on S3) every
   ``ttl_s / 4`` by a thread of the driver. A driver that dies holds it until ``ttl_s`` passes.
   The lease is expired and then deleted at the end; a job that takes it between those two calls
   loses it (the window is one request).
@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
-from serving.record import ControlStore, StoreLock
+from serving.lease import LeaseFile, StoreLock
 from serving.registry import CheckpointStore
 
 __all__ = ["RunLocked", "run_lock"]
@@ -81,15 +81,14 @@ def _flock(path: str, label: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _lease(store: CheckpointStore, path: str, label: str, ttl_s: float) -> Iterator[None]:
-    leases = ControlStore(store.root, "-")
-    leases.base = path  # lock.json in <version>.lock/
-    lock = StoreLock(leases, _holder(), ttl_s)
+    lease = LeaseFile(store.fs, path)  # lock.json in <version>.lock/
+    lock = StoreLock(lease, _holder(), ttl_s)
     if not lock.acquire():
-        current = leases.read_lock() or {}
+        current = lease.read() or {}
         holder, until = current.get("holder", "another job"), float(current.get("expires_at", 0)) - time.time()
         raise RunLocked(
             f"another training job of {label} is running ({holder}); its lease at "
-            f"{store.fs.unstrip_protocol(path)} lapses in {max(until, 0):.0f}s unless that job renews it"
+            f"{lease.where()} lapses in {max(until, 0):.0f}s unless that job renews it"
         )
     stop = threading.Event()
 

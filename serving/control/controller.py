@@ -56,7 +56,8 @@ from pydantic import ValidationError
 from serving.config import ConfigError, ModelConfig, ModelVersion, PromotionPolicy, StackConfig
 from serving.control.serve_config import app_name, base_version_for, build_serve_config
 from serving.control.watch import Verdict, VersionStats, judge, merge
-from serving.record import ControlStore, PromotionRecord, PromotionRequest, StepRecord, StoreLock
+from serving.lease import StoreLock
+from serving.record import ControlStore, PromotionRecord, PromotionRequest, StepRecord
 from serving.registry import CheckpointStore, Manifest, RegistryError, _natural_key, manifest_at
 
 __all__ = ["Applier", "Controller", "Prober", "policy_for", "with_live"]

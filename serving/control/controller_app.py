@@ -32,7 +32,8 @@ from ray import serve
 from serving.config import StackConfig
 from serving.control.controller import Controller
 from serving.control.serve_config import build_serve_config
-from serving.record import ControlStore, StoreLock
+from serving.lease import StoreLock
+from serving.record import ControlStore
 from serving.registry import CheckpointStore, Manifest
 
 __all__ = ["HttpProber", "PromotionController", "ServeApplier", "build_controller"]
@@ -186,7 +187,7 @@ def build_controller(cfg: StackConfig, base: Path | None, observe: Any = None) -
     root = cfg.store_root(base)
     control = ControlStore(root, cfg.name)
     holder = f"{socket.gethostname()}:{os.getpid()}"
-    lock = StoreLock(control, holder, cfg.controller.lock_ttl_s)
+    lock = StoreLock(control.lease, holder, cfg.controller.lock_ttl_s)
     if cfg.controller.target == "kubernetes":
         from serving.control.k8s_apply import RayServiceApplier
 

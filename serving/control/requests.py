@@ -30,7 +30,7 @@ def live_config(cfg: StackConfig, control: ControlStore) -> StackConfig:
 
 
 def controller_alive(control: ControlStore, clock: Callable[[], float] = time.time) -> bool:
-    lock = control.read_lock()
+    lock = control.lease.read()
     return bool(lock and float(lock.get("expires_at", 0)) > clock())
 
 

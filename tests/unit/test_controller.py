@@ -13,7 +13,8 @@ import pytest
 from serving.config import StackConfig, parse_config
 from serving.control.controller import Controller, with_live
 from serving.control.serve_config import routing_user_config
-from serving.record import ControlStore, PromotionRequest, StoreLock
+from serving.lease import StoreLock
+from serving.record import ControlStore, PromotionRequest
 from serving.registry import CheckpointStore, Manifest, hash_tree
 
 POLICY = {"step_seconds": 10, "warmup_requests": 0, "drain_seconds": 5, "min_requests": 5, "max_step_extensions": 2}
@@ -109,7 +110,7 @@ class Cluster:
 
 def _controller(tmp: Path, cfg: dict[str, Any], clock: Clock, cluster: Cluster, holder: str = "a") -> Controller:
     control = ControlStore(str(tmp / "ck"), "t")
-    lock = StoreLock(control, holder, ttl_s=30, clock=clock)
+    lock = StoreLock(control.lease, holder, ttl_s=30, clock=clock)
     return Controller(parse_config(cfg), CheckpointStore(str(tmp / "ck")), control, lock, cluster, cluster, clock=clock)
 
 

@@ -196,7 +196,8 @@ def test_a_store_error_while_renewing_the_lock_during_a_warm_up_is_tried_again_n
     interval: the canary goes on (it used to be rolled back as 'warm-up failed: 503')."""
     from serving.config import parse_config
     from serving.control.controller import Controller
-    from serving.record import ControlStore, StoreLock
+    from serving.lease import StoreLock
+    from serving.record import ControlStore
     from serving.registry import CheckpointStore
 
     (tmp_path / "ck").mkdir()
@@ -219,7 +220,7 @@ def test_a_store_error_while_renewing_the_lock_during_a_warm_up_is_tried_again_n
 
     cluster = SlowWarm(clock)
     control = ControlStore(str(tmp_path / "ck"), "t")
-    lock = FlakyLock(control, "a", ttl_s=0.3, clock=clock)
+    lock = FlakyLock(control.lease, "a", ttl_s=0.3, clock=clock)
     cfg = parse_config(_cfg(warmup_requests=1))
     ctl = Controller(cfg, CheckpointStore(str(tmp_path / "ck")), control, lock, cluster, cluster, clock=clock)
     ctl.tick()

@@ -13,7 +13,8 @@ from serving.config import PromotionPolicy, load_config
 from serving.control.controller import with_live
 from serving.control.serve_config import CONTROLLER_APP, build_serve_config
 from serving.control.watch import VersionStats, judge, parse_stats, percentile
-from serving.record import ControlStore, PromotionRequest, StoreLock
+from serving.lease import StoreLock
+from serving.record import ControlStore, PromotionRequest
 
 METRICS = """# HELP ray_raystack_requests_total x
 ray_raystack_requests_total{Component="a",model="calc",status_class="2xx",tenant="t",version="v1"} 90.0
@@ -131,22 +132,22 @@ def test_lock_on_s3_is_a_conditional_write(s3_bucket: str) -> None:
     exactly one write through, and the other watches; a release only expires its own lease."""
     c = ControlStore(f"s3://{s3_bucket}/ck", "s")
     t = [100.0]
-    blue = StoreLock(c, "blue", 30, clock=lambda: t[0], settle_s=0)
-    green = StoreLock(c, "green", 30, clock=lambda: t[0], settle_s=0)
-    assert c.conditional
+    blue = StoreLock(c.lease, "blue", 30, clock=lambda: t[0], settle_s=0)
+    green = StoreLock(c.lease, "green", 30, clock=lambda: t[0], settle_s=0)
+    assert c.lease.conditional
     assert blue.acquire() and not green.acquire() and blue.acquire()  # renewal is a conditional write too
     t[0] += 31
     # both read the expired lease under the same ETag, then both write
-    read_blue, read_green = c.read_lock_tagged(), c.read_lock_tagged()
+    read_blue, read_green = c.lease.read_tagged(), c.lease.read_tagged()
     assert read_blue[1] == read_green[1] is not None
     won = [
-        c.write_lock_if({"holder": h, "token": h, "expires_at": t[0] + 30}, etag)
+        c.lease.write_if({"holder": h, "token": h, "expires_at": t[0] + 30}, etag)
         for h, (_, etag) in (("blue", read_blue), ("green", read_green))
     ]
     assert won == [True, False]
-    assert c.read_lock()["holder"] == "blue"
+    assert c.lease.read()["holder"] == "blue"
     # creating a lease that exists fails the same way
-    assert not c.write_lock_if({"holder": "x", "token": "x", "expires_at": 0}, None)
+    assert not c.lease.write_if({"holder": "x", "token": "x", "expires_at": 0}, None)
     t[0] += 31
     assert green.acquire() and not blue.held() and not blue.acquire()
     blue.release()  # not blue's: stays green's
@@ -160,9 +161,9 @@ def test_lock_on_an_object_store_without_conditional_writes_is_write_then_read_b
     sees it lost."""
     c = ControlStore(f"memory://ck-{secrets.token_hex(4)}", "s")
     t = [100.0]
-    blue = StoreLock(c, "blue", 30, clock=lambda: t[0], settle_s=0)
-    green = StoreLock(c, "green", 30, clock=lambda: t[0], settle_s=0)
-    assert not c.conditional and not c.is_local
+    blue = StoreLock(c.lease, "blue", 30, clock=lambda: t[0], settle_s=0)
+    green = StoreLock(c.lease, "green", 30, clock=lambda: t[0], settle_s=0)
+    assert not c.lease.conditional and not c.lease.is_local
     assert blue.acquire() and not green.acquire()
     t[0] += 31
     assert green.acquire() and not blue.held() and not blue.acquire()

@@ -1,0 +1,174 @@
+"""A lease in a store folder: who holds something, until when. The promotion controller's lock
+(one active controller per stack, ``<root>/.control/<stack>/lock.json``) and the training job's
+run lock on an object store (one job per ``model@version``) are both one.
+
+A lease is ``{holder, token, expires_at}`` in ``<folder>/lock.json``. A holder takes it when it is
+absent, expired or its own, renews it before it expires and checks it before every write; one that
+sees another holder's unexpired lease waits or gives up. Taking or renewing it is a
+compare-and-set:
+
+- on a local (or NFS) store, under an ``flock`` of ``<folder>/lock.flock``;
+- on S3 (s3fs), a conditional write: ``If-None-Match: *`` creates the lease only if there is none,
+  ``If-Match: <ETag read>`` replaces exactly the lease that was read, so of two clusters that read
+  the same expired lease one write succeeds and the other gets 412;
+- on another object store, which has no conditional write through fsspec, write then read back
+  after a settle delay (the later writer wins and the earlier sees it lost).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+__all__ = ["LeaseFile", "StoreLock"]
+
+
+class LeaseFile:
+    """``lock.json`` in ``folder`` of the filesystem ``fs``: read, and written whole or only if
+    unchanged since it was read."""
+
+    def __init__(self, fs: AbstractFileSystem, folder: str) -> None:
+        self.fs, self.folder = fs, folder.rstrip("/")
+        self.path = f"{self.folder}/lock.json"
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    @property
+    def conditional(self) -> bool:
+        """Whether writes can be made conditional on what was read (S3's If-Match/If-None-Match)."""
+        return "s3" in tuple(self.fs.protocol)
+
+    def where(self) -> str:
+        """The lease's folder as a URI (for messages)."""
+        return str(self.fs.unstrip_protocol(self.folder))
+
+    @contextlib.contextmanager
+    def mutex(self) -> Iterator[None]:
+        """Held while a lease is read and written on a store without conditional writes (an
+        ``flock`` on a local store; nothing on an object store: see the module docstring)."""
+        if not self.is_local:
+            yield
+            return
+        os.makedirs(self.folder, exist_ok=True)
+        with open(f"{self.folder}/lock.flock", "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def read(self) -> dict[str, Any] | None:
+        self.fs.invalidate_cache()
+        try:
+            return dict(json.loads(bytes(self.fs.cat_file(self.path))))
+        except FileNotFoundError:
+            return None
+
+    def write(self, body: dict[str, Any]) -> None:
+        """Replace the lease whole (a reader never sees half of it)."""
+        data = json.dumps(body).encode()
+        if self.is_local:
+            os.makedirs(self.folder, exist_ok=True)
+            tmp = f"{self.path}.tmp-{secrets.token_hex(4)}"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, self.path)
+        else:
+            self.fs.pipe_file(self.path, data)
+
+    def delete(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.path)
+
+    def read_tagged(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The lease and the ETag it was read under (``None, None`` when there is none).
+
+        The ETag is read first: if the object changes before its body is read, the conditional
+        write with the older ETag fails, which is the safe outcome."""
+        try:
+            etag = str(self.fs.info(self.path, refresh=True)["ETag"])
+        except FileNotFoundError:
+            return None, None
+        return self.read(), etag
+
+    def write_if(self, body: dict[str, Any], etag: str | None) -> bool:
+        """Write the lease only if the object is still the one read under ``etag`` (``None``: only
+        if there is none); False when another writer got there first."""
+        data = json.dumps(body).encode()
+        try:
+            if etag is None:
+                self.fs.pipe_file(self.path, data, mode="create")
+            else:
+                self.fs.pipe_file(self.path, data, IfMatch=etag)
+        except (FileExistsError, FileNotFoundError):  # created, or deleted, since it was read
+            return False
+        except OSError as exc:  # s3fs raises 412 Precondition Failed as EINVAL
+            if exc.errno == errno.EINVAL:
+                return False
+            raise
+        return True
+
+
+class StoreLock:
+    """One holder's side of a lease (see the module docstring)."""
+
+    def __init__(
+        self,
+        lease: LeaseFile,
+        holder: str,
+        ttl_s: float,
+        clock: Callable[[], float] = time.time,
+        settle_s: float = 1.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.lease, self.holder, self.ttl_s = lease, holder, ttl_s
+        self.clock, self.settle_s, self.sleep = clock, settle_s, sleep
+        self.token = secrets.token_hex(8)
+
+    def _claim(self, current: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The lease to write over ``current``, or None while another holder's has not expired."""
+        now = self.clock()
+        if current and current.get("token") != self.token and float(current.get("expires_at", 0)) > now:
+            return None
+        return {"holder": self.holder, "token": self.token, "expires_at": now + self.ttl_s}
+
+    def acquire(self) -> bool:
+        """Take or renew the lease; False if another holder's lease has not expired."""
+        if self.lease.conditional:
+            current, etag = self.lease.read_tagged()
+            body = self._claim(current)
+            return body is not None and self.lease.write_if(body, etag)
+        with self.lease.mutex():
+            body = self._claim(self.lease.read())
+            if body is None:
+                return False
+            self.lease.write(body)
+        if not self.lease.is_local:  # no mutex: the last writer wins, so look again
+            self.sleep(self.settle_s)
+        return self.held()
+
+    def held(self) -> bool:
+        current = self.lease.read()
+        return bool(current and current.get("token") == self.token and float(current["expires_at"]) > self.clock())
+
+    def release(self) -> None:
+        if self.lease.conditional:  # expire it, only if it is still ours
+            current, etag = self.lease.read_tagged()
+            if current and current.get("token") == self.token:
+                self.lease.write_if(current | {"expires_at": 0.0}, etag)
+            return
+        with self.lease.mutex():
+            if self.held():
+                self.lease.delete()
