@@ -55,7 +55,17 @@ from pydantic import ValidationError
 
 from serving.config import ConfigError, ModelConfig, ModelVersion, PromotionPolicy, StackConfig
 from serving.control.serve_config import app_name, base_version_for, build_serve_config
-from serving.control.watch import Verdict, VersionStats, judge, merge
+from serving.control.watch import (
+    Scrape,
+    Verdict,
+    VersionStats,
+    judge,
+    scrape,
+    scrape_from_json,
+    scrape_json,
+    shift,
+    window,
+)
 from serving.lease import StoreLock
 from serving.record import ControlStore, PromotionRecord, PromotionRequest, StepRecord
 from serving.registry import CheckpointStore, Manifest, RegistryError, _natural_key, manifest_at
@@ -73,7 +83,7 @@ class Applier(Protocol):
 
     def app_status(self, app: str) -> tuple[str, str]: ...  # (status, message)
 
-    def metrics_texts(self) -> list[str]: ...
+    def metrics_by_node(self) -> dict[str, str]: ...  # node id -> Prometheus text; a node not read is absent
 
 
 class Prober(Protocol):
@@ -470,8 +480,11 @@ class Controller:
             self.control.save(rec)
             _decision(rec.model, rec.version, "resume", "controller restarted: step re-watched", {})
 
+    def _scrape(self, model: str) -> Scrape:
+        return scrape(self.applier.metrics_by_node(), model)
+
     def _snapshot(self, model: str) -> dict[str, Any]:
-        return {v: s.to_json() for v, s in merge(self.applier.metrics_texts(), model).items()}
+        return scrape_json(self._scrape(model))
 
     def _advance(self, m: ModelConfig, rec: PromotionRecord) -> None:
         policy = PromotionPolicy.model_validate(rec.policy)
@@ -524,9 +537,7 @@ class Controller:
         self._step(rec, "step", weights, {}, f"{weight}% to {rec.version}")
 
     def _window(self, rec: PromotionRecord, key: str) -> dict[str, VersionStats]:
-        now = merge(self.applier.metrics_texts(), rec.model)
-        before = {v: VersionStats.from_json(s) for v, s in rec.baseline.get(key, {}).items()}
-        return {v: s.minus(before.get(v, VersionStats())) for v, s in now.items()}
+        return window(self._scrape(rec.model), scrape_from_json(rec.baseline.get(key, {})))
 
     def _stepping(self, rec: PromotionRecord, policy: PromotionPolicy) -> None:
         if self.clock() - rec.step_started_at < policy.step_seconds * (1 + rec.extensions):
@@ -547,13 +558,11 @@ class Controller:
                 verdict = evaluated
         self._decide(rec, policy, verdict)
 
-    def _exclude_probes(self, rec: PromotionRecord, before: dict[str, VersionStats]) -> None:
+    def _exclude_probes(self, rec: PromotionRecord, before: Scrape) -> None:
         """Shift the step's baseline by what the metrics counted since ``before`` (the eval's own
         requests), so that the window after the eval holds only other traffic."""
-        start = {v: VersionStats.from_json(s) for v, s in rec.baseline.get("start", {}).items()}
-        during = {v: s.minus(start.get(v, VersionStats())) for v, s in before.items()}  # the window until then
-        after = merge(self.applier.metrics_texts(), rec.model)
-        rec.baseline["start"] = {v: s.minus(during.get(v, VersionStats())).to_json() for v, s in after.items()}
+        start = scrape_from_json(rec.baseline.get("start", {}))
+        rec.baseline["start"] = scrape_json(shift(start, before, self._scrape(rec.model)))
 
     def _online_eval(self, rec: PromotionRecord, policy: PromotionPolicy, verdict: Verdict) -> Verdict:
         oe = policy.online_eval
@@ -561,7 +570,7 @@ class Controller:
             return verdict
         manifest = self.store.manifest(rec.model, rec.version)
         claimed = manifest.eval.value(oe.metric) if manifest.eval else None
-        before = merge(self.applier.metrics_texts(), rec.model)
+        before = self._scrape(rec.model)
         try:
             score = self._holding_lock(
                 f"evaluating {rec.model}@{rec.version}",

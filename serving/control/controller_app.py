@@ -73,18 +73,21 @@ class ServeApplier:
         status = details.get("status")
         return str(getattr(status, "value", status)), "\n".join(m for m in messages if m)
 
-    def metrics_texts(self) -> list[str]:
+    def metrics_by_node(self) -> dict[str, str]:
         import ray
 
-        texts = []
+        texts = {}
         for node in ray.nodes():
             if not node.get("Alive") or not node.get("MetricsExportPort"):
                 continue
             url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
             try:
-                texts.append(httpx.get(url, timeout=10).text)
-            except httpx.HTTPError as exc:  # a node that does not answer is missing from this window
+                r = httpx.get(url, timeout=10)
+                r.raise_for_status()
+            except httpx.HTTPError as exc:  # a node that does not answer is left out of this window
                 logger.warning("metrics of %s not read: %s", url, exc)
+                continue
+            texts[str(node.get("NodeID") or url)] = r.text
         return texts
 
 

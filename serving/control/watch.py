@@ -2,8 +2,11 @@
 
 Figures come from the gateway's own Prometheus metrics (``raystack_requests_total`` by status
 class and the ``raystack_time_to_first_token_seconds`` histogram, per model and version, summed
-over tenants and gateway replicas). A window is the difference of two scrapes. Percentiles are
-read from the histogram buckets (linear within a bucket, as Prometheus' ``histogram_quantile``).
+over tenants and gateway replicas). A window is the difference of two scrapes, taken node by
+node (each node's Ray metrics agent is read on its own): a node whose scrape failed at either end
+is left out of that window, since its part of it is unknown (counting its totals since it started
+would put traffic from before the window into it). Percentiles are read from the histogram
+buckets (linear within a bucket, as Prometheus' ``histogram_quantile``).
 
 The verdicts, in order:
 
@@ -27,7 +30,7 @@ from typing import Any, Literal
 from serving.config import PromotionPolicy
 from serving.metrics import samples
 
-__all__ = ["Verdict", "VersionStats", "judge", "parse_stats", "percentile"]
+__all__ = ["Scrape", "Verdict", "VersionStats", "judge", "parse_stats", "percentile", "scrape", "shift", "window"]
 
 
 @dataclass
@@ -81,18 +84,52 @@ def parse_stats(text: str, model: str) -> dict[str, VersionStats]:
     return out
 
 
-def merge(texts: list[str], model: str) -> dict[str, VersionStats]:
-    """:func:`parse_stats` summed over several expositions (one per node)."""
+Scrape = dict[str, dict[str, VersionStats]]  # node -> version -> totals
+
+
+def scrape(texts: dict[str, str], model: str) -> Scrape:
+    """:func:`parse_stats` of each node's exposition (node id -> text; a node not read is absent)."""
+    return {node: parse_stats(text, model) for node, text in texts.items()}
+
+
+def scrape_json(s: Scrape) -> dict[str, Any]:
+    return {"nodes": {node: {v: st.to_json() for v, st in versions.items()} for node, versions in s.items()}}
+
+
+def scrape_from_json(d: dict[str, Any]) -> Scrape:
+    """A scrape saved in a promotion record; one in another form reads as no node (nothing counted)."""
+    nodes = d.get("nodes")
+    if not isinstance(nodes, dict):
+        return {}
+    return {n: {v: VersionStats.from_json(st) for v, st in vs.items()} for n, vs in nodes.items()}
+
+
+def _add(total: VersionStats, s: VersionStats) -> None:
+    total.requests += s.requests
+    total.errors += s.errors
+    total.ttft_count += s.ttft_count
+    for le, c in s.buckets.items():
+        total.buckets[le] = total.buckets.get(le, 0.0) + c
+
+
+def window(now: Scrape, before: Scrape) -> dict[str, VersionStats]:
+    """Per version, what the nodes read at both ends counted in between (module docstring)."""
     total: dict[str, VersionStats] = {}
-    for text in texts:
-        for v, s in parse_stats(text, model).items():
-            t = total.setdefault(v, VersionStats())
-            t.requests += s.requests
-            t.errors += s.errors
-            t.ttft_count += s.ttft_count
-            for le, c in s.buckets.items():
-                t.buckets[le] = t.buckets.get(le, 0.0) + c
+    for node in now.keys() & before.keys():
+        for v, s in now[node].items():
+            _add(total.setdefault(v, VersionStats()), s.minus(before[node].get(v, VersionStats())))
     return total
+
+
+def shift(start: Scrape, before: Scrape, after: Scrape) -> Scrape:
+    """The baseline ``start`` moved by what was counted between ``before`` and ``after`` (the
+    controller's own requests), node by node, so a window from it leaves those out. A node not
+    read at all three is dropped: its part of the window is unknown."""
+    out: Scrape = {}
+    for node in start.keys() & before.keys() & after.keys():
+        until = {v: s.minus(start[node].get(v, VersionStats())) for v, s in before[node].items()}
+        out[node] = {v: s.minus(until.get(v, VersionStats())) for v, s in after[node].items()}
+    return out
 
 
 def percentile(s: VersionStats, q: float) -> float | None:

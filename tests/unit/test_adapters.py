@@ -304,9 +304,9 @@ async def test_a_refused_adapter_is_answered_once_not_retried_on_other_replicas(
 
 
 class _Cluster(Cluster):
-    def metrics_texts(self) -> list[str]:  # the same scripted traffic for the adapter
-        (text,) = super().metrics_texts()
-        return [text + "\n" + text.replace('model="calc"', 'model="sub"')]
+    def metrics_by_node(self) -> dict[str, str]:  # the same scripted traffic for the adapter
+        (text,) = super().metrics_by_node().values()
+        return {"node-1": text + "\n" + text.replace('model="calc"', 'model="sub"')}
 
 
 def _calc_and_sub(tmp_path: Path) -> tuple[Path, Clock, _Cluster]:
