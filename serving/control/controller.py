@@ -54,7 +54,8 @@ from typing import Any, Protocol, TypeVar
 from pydantic import ValidationError
 
 from serving.config import ConfigError, ModelConfig, ModelVersion, PromotionPolicy, StackConfig
-from serving.control.serve_config import app_name, base_version_for, build_serve_config
+from serving.control.bases import AdapterBases
+from serving.control.serve_config import build_serve_config
 from serving.control.watch import (
     Scrape,
     Verdict,
@@ -68,7 +69,7 @@ from serving.control.watch import (
 )
 from serving.lease import StoreLock
 from serving.record import ControlStore, PromotionRecord, PromotionRequest, StepRecord
-from serving.registry import CheckpointStore, Manifest, RegistryError, _natural_key, manifest_at
+from serving.registry import CheckpointStore, Manifest, RegistryError, _natural_key
 
 __all__ = ["Applier", "Controller", "Prober", "policy_for", "with_live"]
 
@@ -150,8 +151,8 @@ class Controller:
         self._resumed: set[str] = set()
         self._active = False
         self._dirty = False  # what serves may differ from live.json: an apply is due
-        self._trained_on: dict[tuple[str, str], str] = {}  # (adapter, version) -> base version (manifests)
         self.base = base  # the config file's folder: relative version paths start there
+        self.bases = AdapterBases(seed, store, base)
 
     # -- the record -----------------------------------------------------------------------------
 
@@ -240,50 +241,9 @@ class Controller:
 
     # -- adapters and their bases ---------------------------------------------------------------
 
-    def base_version(self, adapter: ModelConfig, version: str) -> str | None:
-        """The base version an adapter version runs on: the one its manifest's ``base.ref`` names
-        (:func:`~serving.control.serve_config.base_version_for`)."""
-        key = (adapter.name, version)
-        if key not in self._trained_on:
-            # where the version is served from: its configured path, else the store's layout
-            configured = self.seed.model(adapter.name).version(version) or ModelVersion(version=version)
-            manifest = manifest_at(self.seed.version_path(adapter, configured, self.base))
-            if manifest is None:
-                manifest = self.store.manifest(adapter.name, version)
-            ref = manifest.base.ref if manifest.base else ""
-            base_version = base_version_for(self.seed, self.seed.model(adapter.base or ""), ref, self.base)
-            if base_version is None:
-                raise RegistryError(f"{adapter.name}@{version} is not an adapter of {adapter.base} (base {ref!r})")
-            self._trained_on[key] = base_version
-        return self._trained_on[key]
-
-    def _app(self, model: str, version: str) -> str:
-        m = self.seed.model(model)
-        if m.base is None:
-            return app_name(model, version)
-        return app_name(m.base, self.base_version(m, version) or "")
-
-    def _needed(self, cfg: StackConfig) -> dict[str, set[str]]:
-        """Base model -> the versions its configured adapter versions run on (weight 0 included: the
-        base's replicas register every configured version, and the config is refused without it)."""
-        out: dict[str, set[str]] = {}
-        for a in cfg.models:
-            for v in a.versions if a.base else ():
-                try:
-                    base = self.base_version(a, v.version)
-                except (RegistryError, OSError) as exc:  # not published yet, or the store unreadable now:
-                    log.warning("%s@%s: its base version is not known (%s)", a.name, v.version, exc)
-                    continue  # it keeps no base version here; the deploy of that config says what is missing
-                out.setdefault(a.base or "", set()).add(base or "")
-        return out
-
     def _keep_needed(self, model: str, weights: dict[str, int]) -> dict[str, int]:
-        """``weights`` plus, at 0, each version of ``model`` that a configured adapter version runs on."""
-        current = self.current()  # live.json, read once
-        needed = self._needed(current).get(model, set())
-        served = [v.version for v in current.model(model).versions]
-        order = {v: i for i, v in enumerate(served)}
-        return weights | {v: 0 for v in sorted(needed - set(weights), key=lambda v: order.get(v, len(order)))}
+        """``weights`` plus, at 0, the versions of ``model`` that adapters serving now run on."""
+        return self.bases.keep_needed(self.current(), model, weights)
 
     def _unbuildable(self, model: str, weights: dict[str, int]) -> str | None:
         """Why the config with ``model`` at ``weights`` could not be deployed (as a deploy builds it)."""
@@ -297,7 +257,7 @@ class Controller:
     def _prune_bases(self, blocked: set[str]) -> None:
         """Remove base versions at weight 0 that no configured adapter version runs on any more."""
         cfg = self.current()
-        needed = self._needed(cfg)
+        needed = self.bases.needed(cfg)
         for m in cfg.models:
             if m.base is None and cfg.adapters_of(m) and m.name not in blocked:
                 rec = self.control.active(m.name)
@@ -367,14 +327,6 @@ class Controller:
         _decision(m.name, version, "refused", reason, {})
         return rec
 
-    def _check_base(self, m: ModelConfig, version: str) -> None:
-        base = self.current().model(m.base or "")
-        trained_on = self.base_version(m, version)
-        if base.version(trained_on or "") is None:
-            served = ", ".join(v.version for v in base.versions)
-            why = f"{m.name}@{version} was trained on {m.base}@{trained_on}, which is not served ({served})"
-            raise RegistryError(why)
-
     def _start(self, m: ModelConfig, version: str, source: str, overrides: dict[str, Any]) -> PromotionRecord | None:
         try:
             policy = policy_for(m, overrides)
@@ -385,7 +337,7 @@ class Controller:
         try:
             manifest = self._verified(m, version)
             if m.base is not None:
-                self._check_base(m, version)
+                self.bases.check(self.current(), m, version)
         except (RegistryError, OSError) as exc:
             if isinstance(exc, OSError) and source == "auto":  # the store may answer next poll: not "tried"
                 log.warning("%s@%s could not be read from the store (%s); trying again next poll", m.name, version, exc)
@@ -502,7 +454,7 @@ class Controller:
             self._step(rec, "promoted", {rec.version: 100}, {}, note)
 
     def _deploying(self, rec: PromotionRecord, policy: PromotionPolicy) -> None:
-        app = self._app(rec.model, rec.version)
+        app = self.bases.app(rec.model, rec.version)
         status, message = self.applier.app_status(app)
         if status in ("DEPLOY_FAILED", "UNHEALTHY"):
             return self._rollback(rec, f"{app} {status}: {message[-600:]}")

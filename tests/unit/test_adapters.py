@@ -133,7 +133,7 @@ def test_an_adapter_runs_on_its_base_checkpoint_served_under_another_name(tmp_pa
     assert serving_app(cfg, "sub", "v1", bases) == "calc-kv--v9"
     clock = Clock()
     (tmp_path / "ck").mkdir()
-    assert _controller(tmp_path, stack, clock, Cluster(clock)).base_version(cfg.model("sub"), "v1") == "v9"
+    assert _controller(tmp_path, stack, clock, Cluster(clock)).bases.version_for(cfg.model("sub"), "v1") == "v9"
     same["versions"] = [{"version": "v2", "path": str(tmp_path / "calc" / "v2")}]  # only calc@v2's weights
     with pytest.raises(ConfigError, match=r"not a LoRA adapter of 'calc-kv' \(its manifest's base is calc@v1\)"):
         build_serve_config(parse_config(stack), read_manifests=True)
