@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from loadtests.client import run_level
     from loadtests.cpuprof import cpu_seconds
     from loadtests.servers import wait_serving
-    from serving.replica.server import free_port
+    from serving.replica.node import free_port
 
     replica_port, gateway_port = free_port(), free_port()
     me = [

@@ -14,11 +14,27 @@ that still answers ``/health`` means the engine is hung.
 Only consecutive good scrapes are evidence: a failed scrape, or scrapes further apart than
 ``max_gap_s`` (the API server itself was slow or stopped, so its counters lag), start the
 period again.
+
+A new engine is warmed up before its replica takes requests (:func:`warm_up`), so that vLLM's
+first compile of a kernel is not taken for a hang.
 """
 
 from __future__ import annotations
 
-__all__ = ["PROGRESS_COUNTERS", "StallWatch"]
+import logging
+import time
+
+import httpx
+
+logger = logging.getLogger("ray.serve")
+
+__all__ = ["ONE_TOKEN", "PROGRESS_COUNTERS", "StallWatch", "warm_up"]
+
+# One token of token id 0: what the stall watch asks a generate engine for (``_probe_engine``).
+ONE_TOKEN = {"prompt": [0], "max_tokens": 1}
+# The same with logprobs: vLLM compiles its logprob-rank kernel (``batched_count_greater_than``,
+# ``torch.compile``) on the first request that asks for logprobs; see :func:`warm_up`.
+WARM_UP = {**ONE_TOKEN, "logprobs": 1}
 
 PROGRESS_COUNTERS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total")
 LOAD_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -63,3 +79,28 @@ class StallWatch:
 
     def stalled_s(self, now: float) -> float:
         return 0.0 if self._since is None else now - self._since
+
+
+def warm_up(url: str, token: str, model: str, timeout_s: float, client: httpx.Client | None = None) -> None:
+    """Ask a new engine for one token with logprobs before its replica takes requests. vLLM
+    compiles its logprob-rank kernel on the first request that wants logprobs; on CPU that is
+    inductor building C++, seconds of a busy engine that generates nothing, during which a client's
+    request waits and the stall watch (``stall_timeout_s``) may take the engine for hung. Paid
+    here, the kernel is also in the node's compile cache for the engines that start after it. A
+    failed warm-up is logged, not fatal: the engine answered ``/health``."""
+    t0 = time.monotonic()
+    c = client or httpx.Client(timeout=timeout_s)
+    try:
+        r = c.post(
+            f"{url}/v1/completions", json={"model": model, **WARM_UP}, headers={"authorization": f"Bearer {token}"}
+        )
+    except httpx.HTTPError as exc:
+        logger.warning("engine warm-up failed: %s", type(exc).__name__)
+        return
+    finally:
+        if client is None:
+            c.close()
+    if r.status_code != 200:
+        logger.warning("engine warm-up answered %d: %s", r.status_code, r.text[:200])
+    else:
+        logger.info("engine warmed up (logprobs kernel) in %.1fs", time.monotonic() - t0)

@@ -24,7 +24,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,112 +38,16 @@ from serving.replica.adapters import AdapterSet, Registered
 from serving.replica.engine import EngineSpec, engine_environ, single_process, verified_spec, vllm_command
 from serving.replica.engine_main import guarded
 from serving.replica.kv_events import KVEventRelay
-from serving.replica.liveness import PROGRESS_COUNTERS, StallWatch
-from serving.replica.placement import EnginePinning, claim_cores, engine_core_pid
+from serving.replica.liveness import ONE_TOKEN, PROGRESS_COUNTERS, StallWatch, warm_up
+from serving.replica.node import engine_cores, free_port, node_ip, placement_group_gpus
+from serving.replica.placement import EnginePinning, engine_core_pid
 from serving.waiting import poll
 
 logger = logging.getLogger("ray.serve")
 
 ENGINE_STOP_S = 10.0  # SIGTERM to SIGKILL when vLLM is stopped
 
-__all__ = ["ModelServer", "build_model_server", "free_port", "warm_up"]
-
-# One token of token id 0: what the stall watch asks a generate engine for (``_probe_engine``).
-ONE_TOKEN = {"prompt": [0], "max_tokens": 1}
-# The same with logprobs: vLLM compiles its logprob-rank kernel (``batched_count_greater_than``,
-# ``torch.compile``) on the first request that asks for logprobs; see :func:`warm_up`.
-WARM_UP = {**ONE_TOKEN, "logprobs": 1}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def warm_up(url: str, token: str, model: str, timeout_s: float, client: httpx.Client | None = None) -> None:
-    """Ask a new engine for one token with logprobs before its replica takes requests. vLLM
-    compiles its logprob-rank kernel on the first request that wants logprobs; on CPU that is
-    inductor building C++, seconds of a busy engine that generates nothing, during which a client's
-    request waits and the stall watch (``stall_timeout_s``) may take the engine for hung. Paid
-    here, the kernel is also in the node's compile cache for the engines that start after it. A
-    failed warm-up is logged, not fatal: the engine answered ``/health``."""
-    t0 = time.monotonic()
-    c = client or httpx.Client(timeout=timeout_s)
-    try:
-        r = c.post(
-            f"{url}/v1/completions", json={"model": model, **WARM_UP}, headers={"authorization": f"Bearer {token}"}
-        )
-    except httpx.HTTPError as exc:
-        logger.warning("engine warm-up failed: %s", type(exc).__name__)
-        return
-    finally:
-        if client is None:
-            c.close()
-    if r.status_code != 200:
-        logger.warning("engine warm-up answered %d: %s", r.status_code, r.text[:200])
-    else:
-        logger.info("engine warmed up (logprobs kernel) in %.1fs", time.monotonic() - t0)
-
-
-def _node_ip() -> str:
-    """The address Ray itself uses for this node (127.0.0.1 for the local stack, the pod IP on
-    Kubernetes), not whatever interface a routing lookup would pick."""
-    try:
-        import ray
-
-        node_id = ray.get_runtime_context().get_node_id()
-        for node in ray.nodes():
-            if node.get("NodeID") == node_id:
-                return str(node["NodeManagerAddress"])
-    except Exception:  # not inside Ray (unit use)
-        pass
-    return "127.0.0.1"
-
-
-def _placement_group_gpus(spec: EngineSpec) -> str | None:
-    """CUDA_VISIBLE_DEVICES for a multi-rank GPU engine: this replica's GPU (bundle 0) plus the
-    GPU Ray assigned to each other bundle of the replica's placement group (one per rank, packed
-    on this node). Ray hides those from the replica actor itself, which holds only rank 0's."""
-    if not spec.use_gpu or spec.world_size <= 1:
-        return None
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    pg = ray.util.get_current_placement_group()
-    if pg is None:
-        raise RuntimeError("a multi-rank GPU engine must run in its placement group")
-
-    @ray.remote(num_cpus=0)
-    def gpu_ids() -> list[str]:
-        return [str(i) for i in ray.get_gpu_ids()]
-
-    refs = [
-        gpu_ids.options(
-            num_gpus=spec.gpus_per_rank,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote()
-        for i in range(1, spec.world_size)
-    ]
-    ids = [str(i) for i in ray.get_gpu_ids()] + [g for ids in ray.get(refs) for g in ids]
-    return ",".join(dict.fromkeys(ids))
-
-
-def _engine_cores(spec: EngineSpec) -> list[int] | None:
-    """Cores for a CPU engine, as many as its placement group reserved (``cpus_per_rank`` per
-    rank), apart from the other engines on this node where the node has enough. A multi-rank
-    engine's ranks are bound to them by vLLM; a single-process engine is pinned to them once it
-    runs, if the node keeps a core no engine claims (``ModelServer._pin``)."""
-    if spec.use_gpu:
-        return None
-    try:
-        cores = claim_cores(spec.world_size * max(1, int(spec.cpus_per_rank)), os.getpid())
-    except OSError as exc:  # no writable /dev/shm: vLLM binds by itself
-        logger.warning("no core ledger (%s); vLLM chooses its cores", exc)
-        return None
-    logger.info("engine cores %s", cores)
-    return cores
+__all__ = ["ModelServer", "build_model_server"]
 
 
 def _engine_load(values: dict[str, float]) -> float:
@@ -169,14 +72,14 @@ class ModelServer:
     def __init__(self, spec: dict[str, Any]) -> None:
         # the weights first: a tampered or partial version fails here, before any engine starts
         self.spec = verified_spec(EngineSpec.model_validate(spec))
-        self.host = _node_ip()
+        self.host = node_ip()
         self.port = free_port(self.host)
         self.token = secrets.token_urlsafe(24)
         self.replica, self.app = _replica_tag()
         self.endpoint = Endpoint(f"http://{self.host}:{self.port}", self.token, self.replica)
-        self.cores = _engine_cores(self.spec)
+        self.cores = engine_cores(self.spec)
         env = engine_environ(dict(os.environ), self.spec, self.cores, self.token)
-        gpus = _placement_group_gpus(self.spec)
+        gpus = placement_group_gpus(self.spec)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus
         # router kv_aware: the engine publishes KV events on a private ipc socket, relayed as block keys

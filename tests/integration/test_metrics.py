@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from serving.config import load_config
-from serving.replica.server import free_port
+from serving.replica.node import free_port
 from tests.conftest import Stack
 
 pytestmark = pytest.mark.integration

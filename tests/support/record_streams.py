@@ -25,8 +25,8 @@ import httpx
 from serving.config import load_config
 from serving.control.serve_config import build_serve_config
 from serving.replica.engine import EngineSpec, engine_environ, vllm_command
+from serving.replica.node import free_port
 from serving.replica.placement import engine_core_pid
-from serving.replica.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests" / "unit" / "data" / "vllm_streams.json"

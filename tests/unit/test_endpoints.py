@@ -11,7 +11,7 @@ import pytest
 
 from serving.contract import LeaseHint, Record, publish, read_records, withdraw
 from serving.gateway.replicas import EndpointTable
-from serving.replica.server import free_port
+from serving.replica.node import free_port
 from tests.support.kv import MemoryKV
 from tests.support.loopback import http_replica
 

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from serving.config import ConfigError, ShutdownConfig, parse_config
 from serving.control.serve_config import build_serve_config
 from serving.gateway.listener import Listener, bind_shared
-from serving.replica.server import free_port
+from serving.replica.node import free_port
 
 MODEL = {"name": "adder", "versions": [{"version": "v1"}]}
 

@@ -20,7 +20,7 @@ from serving.control.serve_config import routing_user_config
 from serving.gateway.core import GatewayCore
 from serving.gateway.listener import Listener
 from serving.gateway.routes import create_api
-from serving.replica.server import free_port
+from serving.replica.node import free_port
 from tests.support.loopback import http_replica
 
 TOKENS = 40

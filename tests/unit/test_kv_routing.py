@@ -17,7 +17,7 @@ from serving.gateway.kv_index import KVFeeds, KVIndex
 from serving.gateway.replicas import EndpointTable
 from serving.replica.engine import EngineSpec, vllm_command
 from serving.replica.kv_events import BlockLedger, KVEventRelay, private_dir_ok
-from serving.replica.server import free_port
+from serving.replica.node import free_port
 from tests.support.kv import MemoryKV
 
 BS = 4  # block size of these tests (vLLM's CPU engine uses 128)

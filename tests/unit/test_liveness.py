@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 import httpx
 
-from serving.replica.liveness import StallWatch
-from serving.replica.server import warm_up
+from serving.replica.liveness import StallWatch, warm_up
 
 
 def _m(running: float = 0, waiting: float = 0, gen: float = 0, prompt: float = 0) -> dict[str, float]:
