@@ -25,7 +25,8 @@ from typing import Any, Literal
 import msgspec
 
 from serving.errors import ErrorShape, InvalidRequest
-from serving.gateway.protocol import decode_body, type_name, whole_events
+from serving.gateway.answers import whole_events
+from serving.gateway.protocol import decode_body, type_name
 
 __all__ = ["AgentKind", "AgentRequest", "EventTap", "parse_agent_request"]
 

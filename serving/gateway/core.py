@@ -26,9 +26,10 @@ from serving.errors import (
 )
 from serving.gateway.admission.auth import Authenticator, Tenant
 from serving.gateway.admission.quota import QuotaClient
+from serving.gateway.answers import usage_of
 from serving.gateway.kv_index import KVFeeds
 from serving.gateway.migration import Plan, blocker
-from serving.gateway.protocol import Forwardable, ParsedRequest, usage_of
+from serving.gateway.protocol import Forwardable, ParsedRequest
 from serving.gateway.relay import Leaser, Observer, RetryBudget, Upstream, UpstreamResult, forward
 from serving.gateway.replicas import Lease, LeaseProvider
 from serving.gateway.routing import GatewayRoutes, Resolved, RoutingTable

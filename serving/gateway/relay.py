@@ -39,8 +39,8 @@ from typing import Protocol, TypeVar
 import aiohttp
 
 from serving.errors import ErrorShape, Unavailable, UpstreamError
+from serving.gateway.answers import normalize_upstream_error
 from serving.gateway.budget import RetryBudget
-from serving.gateway.protocol import normalize_upstream_error
 from serving.gateway.replicas import Lease, ReplicaGone
 
 logger = logging.getLogger("serving.gateway")

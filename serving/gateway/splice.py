@@ -11,8 +11,8 @@ from typing import Any, Protocol
 import msgspec
 
 from serving.errors import GatewayError, UpstreamError, sse_error_event
+from serving.gateway.answers import whole_events
 from serving.gateway.migration import Choice, Chunk, Delta, Plan, Resume, decode_chunk, null_ids, server_error
-from serving.gateway.protocol import whole_events
 from serving.gateway.relay import Observer, UpstreamResult
 
 logger = logging.getLogger("serving.gateway")

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from serving.errors import InvalidRequest
-from serving.gateway.protocol import StreamTap, normalize_upstream_error, parse_request, usage_of
+from serving.gateway.answers import StreamTap, normalize_upstream_error, usage_of
+from serving.gateway.protocol import parse_request
 
 MSG = [{"role": "user", "content": "1+1="}]
 
