@@ -1,4 +1,5 @@
-"""Local stack lifecycle: build missing models, start a local Ray head, deploy, wait, stop.
+"""Local stack lifecycle: build missing models (:mod:`serving.control.build`), start a local Ray
+head, deploy, wait, stop.
 
 The local Ray head is started as ``ray start --head --block`` in its own process group, with its
 dashboard and job API on 127.0.0.1 only and Ray's token authentication on (``RAY_AUTH_MODE=token``,
@@ -16,30 +17,23 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import ValidationError
 
-from serving.config import LOCAL_RAY_LOOPBACK, LocalRayConfig, ModelConfig, ModelVersion, StackConfig
+from serving.config import LOCAL_RAY_LOOPBACK, LocalRayConfig, StackConfig
+from serving.control.build import check_version_layout, ensure_models, only_models, servable
 from serving.control.serve_config import build_serve_config
-from serving.registry import redact_uri
-from serving.replica.engine import check_layout
 from serving.replica.placement import pid_alive, proc_stat
 from serving.waiting import poll, wait_until
 
 __all__ = [
     "StackState",
     "deploy",
-    "ensure_models",
-    "only_models",
     "ray_env",
     "serve_status",
-    "servable",
     "start_ray",
     "stop_stack",
     "up",
@@ -83,83 +77,6 @@ class StackState:
     def load(cls, name: str) -> StackState | None:
         path = RUN_DIR / f"{name}.json"
         return cls(**json.loads(path.read_text())) if path.exists() else None
-
-
-def _built(cfg: StackConfig, model: ModelConfig, version: ModelVersion, base: Path) -> bool:
-    """Whether a version's weights are there (a remote URI is checked where it is loaded)."""
-    path = cfg.version_path(model, version, base)
-    return "://" in path or (Path(path) / ("adapter_config.json" if model.base else "config.json")).exists()
-
-
-def ensure_models(cfg: StackConfig, base: Path, log: Any = print, on_built: Callable[[], None] | None = None) -> None:
-    """Train every version that is missing locally and has a recipe; fail clearly otherwise;
-    then check each model's parallel layout against its checkpoint and this machine. Versions
-    with a recipe come first: a ``path:`` version may be another name for one of them.
-    ``on_built`` is called after each training job that leaves another one to run."""
-    versions = sorted(((m, v) for m in cfg.models for v in m.versions), key=lambda mv: mv[1].recipe is None)
-    jobs = sum(1 for m, v in versions if v.recipe is not None and not _built(cfg, m, v, base))
-    for m, v in versions:
-        path = cfg.version_path(m, v, base)
-        if "://" in path:
-            continue
-        built_now = not _built(cfg, m, v, base)
-        if built_now:
-            if v.recipe is None:
-                raise FileNotFoundError(f"{m.name}@{v.version}: no checkpoint at {path} and no recipe")
-            r = v.recipe
-            where = f"from {redact_uri(r.base)} on {redact_uri(r.data)}"  # a URI may carry a credential
-            log(f"building {m.name}@{v.version} {where} with the training job...")
-            p = Path(path)  # <root>/<model>/<version>
-            # its own process: the job starts (and stops) its own private, authenticated Ray
-            cmd = [sys.executable, "-m", "training.train", "--root", str(p.parent.parent)]
-            cmd += ["--model", p.parent.name, "--version", p.name]
-            cmd += ["--method", r.method, "--seed", str(r.seed)]
-            cmd += ["--steps", str(r.steps)] if r.steps else []
-            cmd += ["--lora-rank", str(r.lora_rank)] if r.lora_rank else []
-            cmd += ["--lora-alpha", str(r.lora_alpha)] if r.lora_alpha else []
-            uris = ["--base", r.base, "--data", r.data] + (["--eval", r.eval] if r.eval else [])
-            if _run_job(cmd, uris) != 0:
-                raise RuntimeError(f"{m.name}@{v.version}: the training job failed (its output is above)")
-            jobs -= 1
-        _check_layout(cfg, m, v, base)
-        if built_now and jobs and on_built is not None:
-            on_built()
-
-
-def _run_job(cmd: list[str], uris: list[str]) -> int:
-    """Run the training job ``cmd`` with the base, data and eval arguments ``uris`` in an
-    argument file (``@FILE``, mode 0600, removed after) rather than on its command line, which
-    every local user sees: a URI may carry a credential."""
-    with tempfile.NamedTemporaryFile("w", prefix="raystack-train-args-", suffix=".txt") as fh:
-        fh.write("\n".join(uris) + "\n")
-        fh.flush()
-        return subprocess.run([*cmd, f"@{fh.name}"], check=False).returncode
-
-
-def _check_layout(cfg: StackConfig, model: ModelConfig, version: ModelVersion, base: Path) -> None:
-    """A local version's parallel layout against its checkpoint and this machine (an adapter runs
-    in its base's layout; a remote one is checked where it is loaded)."""
-    path = cfg.version_path(model, version, base)
-    if model.base is None and "://" not in path:
-        hf = json.loads((Path(path) / "config.json").read_text())
-        check_layout(model, hf, float(cfg.local_ray.num_cpus), None)
-
-
-def servable(cfg: StackConfig, base: Path) -> set[str]:
-    """The models that can be served now: every version built, and an adapter's base among them."""
-    built = {m.name for m in cfg.models if all(_built(cfg, m, v, base) for v in m.versions)}
-    return {m.name for m in cfg.models if m.name in built and (m.base is None or m.base in built)}
-
-
-def only_models(cfg: StackConfig, names: set[str]) -> StackConfig | None:
-    """``cfg`` with only the models ``names``; None where that is no valid stack (none left, or
-    the gateway's default model, a tenant's model or an adapter's base is among the others)."""
-    data = cfg.model_dump()
-    data["models"] = [m for m in data["models"] if m["name"] in names]
-    try:
-        return StackConfig.model_validate(data)
-    except ValidationError:
-        return None
 
 
 def _port_free(port: int) -> bool:
@@ -404,7 +321,7 @@ def up(
         try:  # a path-only model is checked after the last job; a bad layout waits for that error
             for m in part.models:
                 for v in m.versions:
-                    _check_layout(part, m, v, base)
+                    check_version_layout(part, m, v, base)
         except (ValueError, OSError):
             return
         part_seed = only_models(seed, names) if seed is not None else None

@@ -60,7 +60,7 @@ def _serve_from_s3(config: str, env: dict[str, str]) -> None:
     """Build the models the template names (as `serving up` would), import subtractor@v1 into
     the bucket, and point the generated config at it."""
     from serving.config import load_config
-    from serving.control.stack import ensure_models
+    from serving.control.build import ensure_models
 
     import_minilm()
     ensure_models(load_config(config), GENERATED.parent)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from serving.config import parse_config
+from serving.control import build as build_mod
 from serving.control import stack as stack_mod
 
 
@@ -45,8 +46,8 @@ def test_a_path_version_naming_a_recipes_checkpoint_waits_for_that_recipe(
         (out / "adapter_config.json").write_text("{}")
         return subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(stack_mod.subprocess, "run", train)
-    stack_mod.ensure_models(cfg, tmp_path, log=lambda _: None)
+    monkeypatch.setattr(build_mod.subprocess, "run", train)
+    build_mod.ensure_models(cfg, tmp_path, log=lambda _: None)
     assert [cmd[cmd.index("--model") + 1] for cmd in jobs] == ["sub"]
 
 
@@ -82,7 +83,7 @@ def _fake_stack(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         assert seed is None or [m.name for m in seed.models] == [m.name for m in cfg.models]
         return {"applications": [{"name": m.name} for m in cfg.models]}
 
-    monkeypatch.setattr(stack_mod.subprocess, "run", train)
+    monkeypatch.setattr(build_mod.subprocess, "run", train)
     state = stack_mod.StackState("t", 1, 1, 1, "/nonexistent", "http://127.0.0.1:1")
     monkeypatch.setattr(stack_mod, "start_ray", lambda *a, **k: events.append("ray") or state)
     monkeypatch.setattr(stack_mod, "build_serve_config", serve_config)

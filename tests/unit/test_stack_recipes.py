@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from serving.config import parse_config
-from serving.control import stack as stack_mod
+from serving.control import build as build_mod
 from training.train import parser
 
 
@@ -41,9 +41,9 @@ def test_a_recipes_uris_are_logged_without_credentials(tmp_path: Path, monkeypat
         (out / "config.json").write_text(json.dumps(hf | {"num_hidden_layers": 2, "hidden_size": 128}))
         return subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(stack_mod.subprocess, "run", train)
+    monkeypatch.setattr(build_mod.subprocess, "run", train)
     lines: list[str] = []
-    stack_mod.ensure_models(cfg, tmp_path, log=lines.append)
+    build_mod.ensure_models(cfg, tmp_path, log=lines.append)
     assert lines == [
         "building m@v1 from https://models.example/llama on s3://bucket/train.jsonl?<redacted> with the training job..."
     ]
