@@ -39,6 +39,7 @@ from training.encode import EncodeError
 from training.jsonl import DataError, Dataset, resolve_data
 from training.lora import LoraOptions, check_targets
 from training.ray_runtime import PrivateRayRefused, init_ray, run_trainer
+from training.run_dir import RunConflict, claim_run_dir, what_is_left
 from training.run_lock import RunLocked, run_lock
 
 __all__ = [
@@ -54,7 +55,6 @@ __all__ = [
 
 DEFAULT_CHECKPOINT_EVERY = 200
 METHODS = ("full", "lora")
-JOB_FILE = "job.json"
 DEFAULT_WORKERS = 2
 CACHE_DIR = Path(os.environ.get("RAYSTACK_CACHE", Path.home() / ".cache" / "raystack"))
 
@@ -101,41 +101,6 @@ def default_hyperparameters(base: ResolvedBase, rows: int, lora: bool = False) -
     batch = 128 if params < 10_000_000 else 16  # a tiny base's step costs little; more rows a step
     steps = min(2000, max(20, math.ceil(3 * rows / batch)))
     return {"steps": steps, "batch_size": batch, "lr": lr, "warmup": 0.05, "weight_decay": 0.0}
-
-
-def _claim_run_dir(store: CheckpointStore, model: str, version: str, job: dict[str, Any]) -> str:
-    """Record the job's arguments in its run directory. A run with a checkpoint resumes only with
-    the same arguments; one without (it failed before its first) holds nothing to resume and is
-    replaced."""
-    run = store.run_path(model, version)
-    job_file = f"{run}/{JOB_FILE}"
-    if store.fs.isfile(job_file):
-        try:
-            previous = json.loads(store.fs.cat_file(job_file))
-        except ValueError:  # cut short by a crash: a run that never got to its first checkpoint
-            previous = {}
-        if previous == job:
-            return run
-        if _checkpoints(store, run):
-            diff = {k: (previous.get(k), v) for k, v in job.items() if previous.get(k) != v}
-            raise TrainingError(
-                f"{store.fs.unstrip_protocol(run)} holds a run of {model}@{version} with other "
-                f"arguments (was, now): {diff}; rerun with the same arguments to resume, or delete "
-                "that directory to start over"
-            )
-        store.fs.rm(run, recursive=True)
-    store.fs.makedirs(run, exist_ok=True)
-    store.fs.pipe_file(job_file, json.dumps(job, sort_keys=True).encode())
-    return run
-
-
-def _checkpoints(store: CheckpointStore, run: str) -> list[str]:
-    """The checkpoint directories Ray Train wrote in ``run`` (``checkpoint_<step>``)."""
-    if not store.fs.isdir(run):
-        return []
-    entries = store.fs.ls(run, detail=True)
-    names = [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory"]
-    return sorted(n for n in names if n.startswith("checkpoint_"))
 
 
 def _encode(base: ResolvedBase, train_set: Dataset, eval_set: Dataset) -> dict[str, Any]:
@@ -265,7 +230,7 @@ def train(
                 return _train(store, model, version, base, data, eval_data, method, seed, workdir, opts)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
-    except (RunLocked, PrivateRayRefused) as exc:
+    except (RunLocked, RunConflict, PrivateRayRefused) as exc:
         raise TrainingError(str(exc)) from None
     finally:  # the folders the lock made, where they hold nothing else
         runs = store.run_path(model, version).rsplit("/", 1)[0]
@@ -312,7 +277,7 @@ def _train(
     job |= {"data": train_set.ref.sha256, "eval": eval_set.ref.sha256, **hyper}
     if lora is not None:
         job["lora"] = lora.as_dict()
-    run = _claim_run_dir(store, model, version, job)
+    run = claim_run_dir(store, model, version, job)
     prep_s = time.monotonic() - t0
     outcome, workers = _fit(store, run, f"{model}@{version}", base, encoded, hyper, seed, opts)
     try:
@@ -382,7 +347,7 @@ def _fit(
             private = stop_ray is not None and opts["ray_address"] is None and not os.environ.get("RAY_ADDRESS")
             result = run_trainer(store, run, config, workers, opts["use_gpu"], private)
         except TrainingFailedError as exc:
-            raise TrainingError(f"{failure_message(label, exc)}; {_what_is_left(store, run)}") from None
+            raise TrainingError(f"{failure_message(label, exc)}; {what_is_left(store, run)}") from None
         finally:
             printer.stop()
         if result.checkpoint is None:
@@ -396,14 +361,6 @@ def _fit(
         if stop_ray is not None:
             stop_ray()
     return outcome, workers
-
-
-def _what_is_left(store: CheckpointStore, run: str) -> str:
-    """What a failed run leaves the user: a checkpoint to resume from, or a clean slate."""
-    if not _checkpoints(store, run):
-        return "nothing was checkpointed: a corrected command starts afresh"
-    where = store.fs.unstrip_protocol(run)
-    return f"its checkpoints stay in {where}: rerun the same command to resume, or delete it to start over"
 
 
 def failure_message(label: str, exc: BaseException) -> str:
