@@ -146,7 +146,8 @@ def build_adapter(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from serving.registry import MANIFEST, Adapter, BaseRef, CheckpointStore, architecture_of, sha256_file
+    from serving.manifest import MANIFEST, Adapter, BaseRef
+    from serving.registry import CheckpointStore, architecture_of, sha256_file
 
     store = CheckpointStore(str(store_root))
     if store.exists(name, "v1"):
@@ -173,7 +174,8 @@ def write_manifest(out: Path, base: str) -> None:
     match a manifest (serving.node_cache), a benchmark model's too."""
     from datetime import UTC, datetime
 
-    from serving.registry import MANIFEST, BaseRef, Manifest, architecture_of, hash_tree
+    from serving.manifest import MANIFEST, BaseRef, Manifest
+    from serving.registry import architecture_of, hash_tree
 
     files = hash_tree(out)
     manifest = Manifest(

@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from serving.config import ConfigError, ModelConfig, StackConfig, load_config, parse_config
-from serving.registry import CheckpointStore, Manifest, RegistryError
+from serving.manifest import Manifest
+from serving.registry import CheckpointStore, RegistryError
 
 if TYPE_CHECKING:
     from serving.control.serve_config import app_name, build_serve_config

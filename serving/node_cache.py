@@ -47,15 +47,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from serving import registry
-from serving.registry import (
-    MANIFEST,
-    TMP_PREFIX,
-    CheckpointStore,
-    Manifest,
-    TamperedVersion,
-    check_file_name,
-    check_files,
-)
+from serving.manifest import MANIFEST, Manifest, check_file_name
+from serving.registry import TMP_PREFIX, CheckpointStore, TamperedVersion, check_files
 
 __all__ = ["CACHE_ENV", "Resolved", "VerifiedCache", "default_cache_dir", "split_version_uri"]
 

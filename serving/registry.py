@@ -1,7 +1,8 @@
 """Checkpoint store: list, read, verify, fetch and publish versioned model checkpoints.
 
 Why one module for both sides: the training job writes and the serving tier reads the same layout,
-so the layout, the manifest schema and the integrity rules live in exactly one place::
+so the layout and the integrity rules live in exactly one place (the manifest's schema in
+:mod:`serving.manifest`)::
 
     <root>/<model>/<version>/            complete versions only (renamed into place when done)
         config.json, model.safetensors, tokenizer.json, ...
@@ -34,33 +35,28 @@ import secrets
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from serving.manifest import MANIFEST, Manifest
 
 if TYPE_CHECKING:
     from serving.node_cache import Resolved
 
 __all__ = [
-    "Adapter",
-    "BaseRef",
     "BelowEvalGate",
     "CheckpointStore",
-    "DataRef",
-    "Evaluation",
     "Gate",
     "IncompleteVersion",
-    "Manifest",
     "RegistryError",
     "TamperedVersion",
-    "TrainingRun",
     "architecture_of",
     "VersionExists",
     "VersionNotFound",
     "REDACTED",
-    "check_file_name",
     "check_files",
     "check_name",
     "hash_tree",
@@ -69,7 +65,6 @@ __all__ = [
     "sha256_file",
 ]
 
-MANIFEST: Final = "manifest.json"
 RUNS_DIR: Final = ".runs"
 TMP_PREFIX: Final = ".tmp-"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -127,106 +122,6 @@ class BelowEvalGate(RegistryError):
     """The version's evaluation score is below the required gate."""
 
 
-class DataRef(BaseModel):
-    """A dataset a version was trained or evaluated on: where it was read and what it held."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    uri: str
-    sha256: str
-    rows: int
-    format: Literal["chat", "completion", "mixed"]
-
-
-class BaseRef(BaseModel):
-    """Where a version's weights started.
-
-    ``source`` says how ``ref`` is read: ``store`` (``model@version`` of this store, whose
-    manifest hash is recorded), ``folder`` (a local Hugging Face folder), ``uri`` (an fsspec URI of
-    one), ``hub`` (a Hugging Face hub id) or ``init`` (freshly initialised by the project's own
-    builder, e.g. ``init:llama-tiny``).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    source: Literal["store", "folder", "uri", "hub", "init"]
-    ref: str
-    manifest_sha256: str | None = None
-
-
-class Evaluation(BaseModel):
-    """Scores on an evaluation set. ``metrics`` holds every figure computed (``exact_match``,
-    ``mean_token_loss``, ``perplexity``...); a promotion gate names the one it compares."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    metrics: dict[str, float]
-    n: int
-    data: DataRef | None = None
-
-    def value(self, metric: str) -> float | None:
-        return self.metrics.get(metric)
-
-
-class TrainingRun(BaseModel):
-    """How the training job produced a version."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    method: Literal["full", "lora"]
-    steps: int
-    final_loss: float
-    seed: int = 0
-    workers: int = 1
-    resumed_from_step: int = 0
-    wall_s: float = 0.0
-    data: DataRef
-    hyperparameters: dict[str, Any] = {}
-
-
-class Adapter(BaseModel):
-    """A LoRA adapter version: its shape, which the base deployment's engine must admit
-    (``--max-lora-rank``), and the modules it adapts. The base it applies to is the manifest's
-    ``base`` (always ``source: store``, with that version's manifest hash)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    rank: int
-    alpha: int
-    target_modules: list[str]
-
-
-class Manifest(BaseModel):
-    """``manifest.json`` of one version. Extra fields are kept, so writers may add provenance.
-
-    ``files`` maps every other file of the version to its sha256 and ``sizes`` to its size in
-    bytes (the cheap check a node-local cache repeats at each start); their keys are paths inside
-    the version directory (:func:`check_file_name`). A trained version records its ``base``,
-    ``training`` and ``eval``; an imported one (``serving import``) its ``base`` only.
-    """
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    version: str
-    architecture: str | None = None
-    base: BaseRef | None = None
-    training: TrainingRun | None = None
-    eval: Evaluation | None = None
-    adapter: Adapter | None = None
-    files: dict[str, str]
-    sizes: dict[str, int] = {}
-    created_at: datetime
-    code_revision: str = "unknown"
-
-    @field_validator("files", "sizes")
-    @classmethod
-    def _file_names(cls, value: dict[str, Any]) -> dict[str, Any]:
-        for name in value:
-            check_file_name(name)
-        return value
-
-
 class Gate(BaseModel):
     """A promotion gate: the manifest's ``eval.metrics[metric]`` must reach ``min`` (or stay at or
     under ``max`` for a loss). A value that is not a finite number (a run that diverged) fails any
@@ -261,19 +156,6 @@ def check_name(kind: str, name: str) -> str:
         raise ValueError(
             f"invalid {kind} name {name!r}: use letters, digits, '.', '_' or '-' "
             "(at most 128 characters, not starting with '.', '_' or '-')"
-        )
-    return name
-
-
-def check_file_name(name: str) -> str:
-    """A version's file names become paths under its directory, on the store and in a node's
-    cache: relative POSIX paths without an empty, ``.`` or ``..`` segment, without a backslash, and
-    not the manifest. Object stores accept keys such as ``v1/../../x``; such a name is refused."""
-    segments = name.split("/")
-    if name == MANIFEST or "\\" in name or any(seg in ("", ".", "..") for seg in segments):
-        raise ValueError(
-            f"invalid file name {name!r}: a file of a version is a relative POSIX path inside it "
-            f"(no '..', '.' or empty segment, no leading '/', no backslash, not {MANIFEST})"
         )
     return name
 

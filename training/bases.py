@@ -30,7 +30,8 @@ from typing import Any, Final
 
 import fsspec
 
-from serving.registry import BaseRef, CheckpointStore, redact_uri
+from serving.manifest import BaseRef
+from serving.registry import CheckpointStore, redact_uri
 
 __all__ = ["BaseError", "ResolvedBase", "is_store_ref", "parameter_count", "resolve_base"]
 

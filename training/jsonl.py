@@ -31,7 +31,8 @@ from typing import Any, Final, Literal
 import fsspec
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from serving.registry import DataRef, redact_uri
+from serving.manifest import DataRef
+from serving.registry import redact_uri
 
 __all__ = [
     "BUILTIN_PREFIX",

@@ -68,8 +68,9 @@ from serving.control.watch import (
     window,
 )
 from serving.lease import StoreLock
+from serving.manifest import Manifest
 from serving.record import ControlStore, PromotionRecord, PromotionRequest, StepRecord
-from serving.registry import CheckpointStore, Manifest, RegistryError, _natural_key
+from serving.registry import CheckpointStore, RegistryError, _natural_key
 
 __all__ = ["Applier", "Controller", "Prober", "policy_for", "with_live"]
 

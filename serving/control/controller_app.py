@@ -33,8 +33,9 @@ from serving.config import StackConfig
 from serving.control.controller import Controller
 from serving.control.serve_config import build_serve_config
 from serving.lease import StoreLock
+from serving.manifest import Manifest
 from serving.record import ControlStore
-from serving.registry import CheckpointStore, Manifest
+from serving.registry import CheckpointStore
 
 __all__ = ["HttpProber", "PromotionController", "ServeApplier", "build_controller"]
 

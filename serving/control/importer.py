@@ -28,7 +28,8 @@ from typing import Literal
 
 import fsspec
 
-from serving.registry import CheckpointStore, Manifest, VersionExists, check_name, redact_uri
+from serving.manifest import Manifest
+from serving.registry import CheckpointStore, VersionExists, check_name, redact_uri
 
 __all__ = ["ImportFailed", "import_model", "source_kind", "source_ref"]
 

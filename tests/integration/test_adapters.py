@@ -24,8 +24,8 @@ import openai
 
 from serving.config import load_config
 from serving.control.controller_app import HttpProber
+from serving.manifest import Manifest
 from serving.metrics import samples
-from serving.registry import Manifest
 from tests.conftest import ROOT, SERVING, Stack
 from tests.integration.conftest import BUCKET, s3_client
 

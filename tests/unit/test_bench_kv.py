@@ -29,7 +29,8 @@ from loadtests.models import build_model
 from loadtests.servers import BenchModel, our_stack_config
 from serving.config import EngineConfig, LoraSlots, parse_config
 from serving.control.serve_config import adapter_bases
-from serving.registry import MANIFEST, manifest_at, sha256_file
+from serving.manifest import MANIFEST
+from serving.registry import manifest_at, sha256_file
 
 
 def test_pressure_prompts_share_block_aligned_prefixes_and_unique_user_turns() -> None:

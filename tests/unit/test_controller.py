@@ -14,8 +14,9 @@ from serving.config import StackConfig, parse_config
 from serving.control.controller import Controller, with_live
 from serving.control.serve_config import routing_user_config
 from serving.lease import StoreLock
+from serving.manifest import Manifest
 from serving.record import ControlStore, PromotionRequest
-from serving.registry import CheckpointStore, Manifest, hash_tree
+from serving.registry import CheckpointStore, hash_tree
 
 POLICY = {"step_seconds": 10, "warmup_requests": 0, "drain_seconds": 5, "min_requests": 5, "max_step_extensions": 2}
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from serving.control.controller_app import HttpProber
-from serving.registry import Manifest
+from serving.manifest import Manifest
 from tests.unit.test_controller import Clock, Cluster, _cfg, _controller, _publish, _run
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from serving.config import StackConfig
 from serving.control.controller import Controller
+from serving.manifest import Manifest
 from serving.record import PromotionRequest
-from serving.registry import Manifest
 from tests.unit.test_controller import Clock, Cluster, _cfg, _controller, _publish
 
 

@@ -13,13 +13,12 @@ import fsspec
 import pytest
 from pydantic import ValidationError
 
+from serving.manifest import Evaluation, Manifest
 from serving.registry import (
     BelowEvalGate,
     CheckpointStore,
-    Evaluation,
     Gate,
     IncompleteVersion,
-    Manifest,
     RegistryError,
     TamperedVersion,
     VersionExists,

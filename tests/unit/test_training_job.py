@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from serving.registry import BaseRef, BelowEvalGate, CheckpointStore, Evaluation, Gate, Manifest
+from serving.manifest import BaseRef, Evaluation, Manifest
+from serving.registry import BelowEvalGate, CheckpointStore, Gate
 from training.bases import ResolvedBase
 from training.evaluate import metrics_from_sums
 from training.lora import LoraOptions, check_targets
