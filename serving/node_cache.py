@@ -143,7 +143,7 @@ class VerifiedCache:
     def resolve_uri(self, uri: str) -> Resolved:
         """:meth:`resolve` for a version directory URI (``<root>/<model>/<version>``)."""
         root, model, version = split_version_uri(uri)
-        return self.resolve(CheckpointStore(root, cache_dir=self.dir), model, version)
+        return self.resolve(CheckpointStore(root), model, version)
 
     def resolve(self, store: CheckpointStore, model: str, version: str) -> Resolved:
         """A local directory holding exactly the files of ``model@version``'s manifest.

@@ -35,16 +35,13 @@ import secrets
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serving.manifest import MANIFEST, Manifest
-
-if TYPE_CHECKING:
-    from serving.node_cache import Resolved
 
 __all__ = [
     "BelowEvalGate",
@@ -241,15 +238,14 @@ def created_at(version_dir: str) -> int:
 class CheckpointStore:
     """The checkpoint store at ``root`` (local path or fsspec URI).
 
-    ``cache_dir`` is the node-local cache :meth:`local_path` uses (``serving.node_cache``; default
-    ``$RAYSTACK_CACHE_DIR`` or ``~/.cache/raystack/checkpoints``).
+    A local directory of a version that an engine can load, verified, is the node-local cache's
+    business (:class:`serving.node_cache.VerifiedCache`).
     """
 
-    def __init__(self, root: str, cache_dir: str | Path | None = None):
+    def __init__(self, root: str):
         self.root = root
         self.fs, path = fsspec.core.url_to_fs(root)
         self._root_path = path.rstrip("/") or "/"
-        self._cache_dir = Path(cache_dir) if cache_dir else None
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.root!r})"
@@ -355,19 +351,6 @@ class CheckpointStore:
             return h.hexdigest()
 
         return digest
-
-    def local_path(self, model: str, version: str) -> str:
-        """A local directory with the version's verified files that an engine can load: the
-        version directory itself for a local store, else a node-local copy in ``cache_dir``
-        (:class:`serving.node_cache.VerifiedCache`: fetched and hashed once per node)."""
-        return self.local_version(model, version).path
-
-    def local_version(self, model: str, version: str) -> Resolved:
-        """:meth:`local_path`'s :class:`serving.node_cache.Resolved`: the directory with the
-        manifest it was verified against and that manifest's sha256."""
-        from serving.node_cache import VerifiedCache  # it builds on this module
-
-        return VerifiedCache(self._cache_dir).resolve(self, model, version)
 
     # -- writing -------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from typing import Any, Final
 import fsspec
 
 from serving.manifest import BaseRef
+from serving.node_cache import VerifiedCache
 from serving.registry import CheckpointStore, redact_uri
 
 __all__ = ["BaseError", "ResolvedBase", "is_store_ref", "parameter_count", "resolve_base"]
@@ -120,7 +121,7 @@ def _from_store(ref: str, store: CheckpointStore) -> ResolvedBase:
     model, version = m["model"], m["version"]
     # verified once per node, like a serving replica's version (VersionNotFound / TamperedVersion
     # name what is wrong); the manifest hash recorded is the one the files were checked against
-    local = store.local_version(model, version)
+    local = VerifiedCache().resolve(store, model, version)
     if local.manifest.adapter is not None:
         on = local.manifest.base.ref if local.manifest.base else "its base"
         raise BaseError(f"{ref} is a LoRA adapter of {on}, not a model: pass that base as --base")

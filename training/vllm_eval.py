@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Any
 
+from serving.node_cache import VerifiedCache
 from serving.registry import CheckpointStore
 from training.encode import Encoder, normalise, stop_ids
 from training.jsonl import load_jsonl
@@ -102,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     uri = args.eval or (manifest.eval.data.uri if manifest.eval and manifest.eval.data else None)
     if uri is None or "#" in uri:
         p.error(f"{args.model}@{args.version} was evaluated on {uri!r}; pass --eval FILE")
-    directory, adapter = store.local_path(args.model, args.version), None
+    cache = VerifiedCache()
+    directory, adapter = cache.resolve(store, args.model, args.version).path, None
     if manifest.adapter is not None and manifest.base is not None:
         base_model, base_version = manifest.base.ref.split("@", 1)
         store.verify(base_model, base_version)
-        directory, adapter = store.local_path(base_model, base_version), (directory, manifest.adapter.rank)
+        directory, adapter = cache.resolve(store, base_model, base_version).path, (directory, manifest.adapter.rank)
     result = evaluate_with_vllm(directory, uri, args.n, adapter=adapter)
     result["manifest_exact_match"] = manifest.eval.value("exact_match") if manifest.eval else None
     print(json.dumps(result), flush=True)

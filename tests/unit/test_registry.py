@@ -14,6 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from serving.manifest import Evaluation, Manifest
+from serving.node_cache import VerifiedCache
 from serving.registry import (
     BelowEvalGate,
     CheckpointStore,
@@ -56,10 +57,10 @@ def fake_checkpoint(directory: Path) -> Path:
 @pytest.fixture(params=["local", "memory"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CheckpointStore]:
     if request.param == "local":
-        yield CheckpointStore(str(tmp_path / "store"), cache_dir=tmp_path / "cache")
+        yield CheckpointStore(str(tmp_path / "store"))
         return
     root = f"memory://registry-test-{next(_counter)}"
-    yield CheckpointStore(root, cache_dir=tmp_path / "cache")
+    yield CheckpointStore(root)
     fs = fsspec.filesystem("memory")
     if fs.exists(root):
         fs.rm(root, recursive=True)
@@ -223,26 +224,27 @@ def test_publish_refuses_symlinked_folders_and_dangling_links(store: CheckpointS
     assert not store.exists("adder", "v1")
 
 
-def test_local_path(published: CheckpointStore) -> None:
-    path = Path(published.local_path("adder", "v1"))
+def test_a_verified_local_copy(published: CheckpointStore, tmp_path: Path) -> None:
+    cache = VerifiedCache(tmp_path / "cache")
+    path = Path(cache.resolve(published, "adder", "v1").path)
     assert (path / "model.safetensors").read_bytes() == b"\x00weights\x01" * 100
     assert (path / "tokenizer" / "tokenizer.json").is_file()
     if published.is_local:
         assert str(path) == published.version_path("adder", "v1")
     else:
-        assert path.is_relative_to(published._cache_dir)
-        assert published.local_path("adder", "v1") == str(path)  # cached
+        assert path.is_relative_to(tmp_path / "cache")
+        assert cache.resolve(published, "adder", "v1").path == str(path)  # cached
         assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
     with pytest.raises(VersionNotFound):
-        published.local_path("adder", "v9")
+        cache.resolve(published, "adder", "v9")
 
 
-def test_local_path_refuses_tampered_download(tmp_path: Path) -> None:
-    store = CheckpointStore(f"memory://registry-test-{next(_counter)}", cache_dir=tmp_path / "c")
+def test_a_tampered_download_is_refused(tmp_path: Path) -> None:
+    store = CheckpointStore(f"memory://registry-test-{next(_counter)}")
     store.publish(fake_checkpoint(tmp_path / "src"), fields("adder", "v1"))
     store.fs.pipe_file(store.version_path("adder", "v1") + "/config.json", b"{}")
     with pytest.raises(TamperedVersion, match="config.json"):
-        store.local_path("adder", "v1")
+        VerifiedCache(tmp_path / "c").resolve(store, "adder", "v1")
     assert not list((tmp_path / "c").rglob("manifest.json"))
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
+from serving.node_cache import VerifiedCache
 from serving.registry import CheckpointStore, TamperedVersion, VersionNotFound
 from training.bases import BaseError, resolve_base
 
@@ -35,7 +36,7 @@ def test_store_version_is_verified_and_its_manifest_hashed(tmp_path: Path) -> No
     raw = (tmp_path / "store" / "adder" / "v1" / "manifest.json").read_bytes()
     assert base.ref.source == "store" and base.ref.ref == "adder@v1"
     assert base.ref.manifest_sha256 == hashlib.sha256(raw).hexdigest()
-    assert base.directory == store.local_path("adder", "v1") and not base.is_init
+    assert base.directory == VerifiedCache().resolve(store, "adder", "v1").path and not base.is_init
     with pytest.raises(VersionNotFound):
         _resolve("adder@v9", tmp_path, store)
     (tmp_path / "store" / "adder" / "v1" / "tokenizer.json").write_text('{"changed": 1}')
