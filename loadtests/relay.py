@@ -7,7 +7,7 @@ Starts two processes: a synthetic model replica (an asyncio HTTP server that ans
 completion with ``--chunks`` SSE events 1 ms apart, a usage event and ``[DONE]``, shaped as vLLM
 0.32 shapes them for that request: token ids with ``return_token_ids``, running usage on every
 chunk with ``continuous_usage_stats``, both of which the gateway asks for)
-and one gateway: this repository's gateway app (``serving.gateway.routes.create_api`` over
+and one gateway: this repository's gateway app (``serving.gateway.api.create_api`` over
 ``GatewayCore``) on its own listener (uvicorn, as in a gateway replica), with the replica as its
 only upstream and auth off. Closed-loop streaming clients (``loadtests.client``) then send
 ``--requests`` requests, ``--repeats`` times, and the script prints the gateway process's CPU per
@@ -157,11 +157,13 @@ def gateway(port: int, upstream: str, max_migrations: int | None = None) -> None
     import uvloop
 
     try:
-        listener, routes = import_module("serving.gateway.listener"), import_module("serving.gateway.routes")
-        Listener, create_api = listener.Listener, routes.create_api
+        Listener = import_module("serving.gateway.listener").Listener
     except ImportError:  # a checkout from before the gateway's modules were named for what they do
         Listener = import_module("serving.gateway.direct").DirectListener
+    try:
         create_api = import_module("serving.gateway.api").create_api
+    except ImportError:  # a checkout whose app is assembled in serving.gateway.routes
+        create_api = import_module("serving.gateway.routes").create_api
 
     async def serve() -> None:
         leases = OneReplica(upstream)

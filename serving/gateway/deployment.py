@@ -11,9 +11,9 @@ from ray import serve
 from serving.config import GatewayConfig, ShutdownConfig
 from serving.contract import RUNNING_REQUESTS_KEY
 from serving.gateway.admin import AdminAccess
+from serving.gateway.api import create_api
 from serving.gateway.core import GatewayCore
 from serving.gateway.replicas import ReplicaFinder
-from serving.gateway.routes import create_api
 
 logger = logging.getLogger("serving.gateway")
 

@@ -20,8 +20,8 @@ from serving.config import GatewayConfig, parse_config
 from serving.control.serve_config import GATEWAY_APP, admin_access, build_serve_config, routing_user_config
 from serving.gateway.admin import AdminAccess
 from serving.gateway.admission.auth import hash_key
+from serving.gateway.api import create_api
 from serving.gateway.core import GatewayCore
-from serving.gateway.routes import create_api
 from serving.record import ControlStore, PromotionRecord, StepRecord
 
 ADMIN, TENANT = "sk-admin-0123456789", "sk-tenant-0123456789"

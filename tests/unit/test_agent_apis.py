@@ -22,9 +22,9 @@ from serving.errors import AuthenticationError, NotFound, RateLimited, Unavailab
 from serving.gateway.admission.auth import hash_key
 from serving.gateway.admission.quota import QuotaActor, QuotaClient
 from serving.gateway.agent_protocol import EventTap, parse_agent_request
+from serving.gateway.api import create_api
 from serving.gateway.conversations import ResponseLog, ResponseStore, ResponseStoreActor, expand
 from serving.gateway.core import GatewayCore
-from serving.gateway.routes import create_api
 from tests.support.actors import LocalActor
 from tests.support.kv import MemoryKV
 

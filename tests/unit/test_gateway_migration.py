@@ -21,10 +21,10 @@ from aiohttp import web
 from loadtests.relay import FixedLease
 from serving.config import GatewayConfig, parse_config
 from serving.control.serve_config import routing_user_config
+from serving.gateway.api import create_api
 from serving.gateway.core import GatewayCore
 from serving.gateway.migration import Plan, blocker, null_ids
 from serving.gateway.protocol import parse_request
-from serving.gateway.routes import create_api
 
 DATA = json.loads((Path(__file__).parent / "data" / "vllm_streams.json").read_text())
 CUT = DATA["cut"]

@@ -22,9 +22,9 @@ from serving.config import GatewayConfig, parse_config
 from serving.control.serve_config import routing_user_config
 from serving.gateway.admission.auth import hash_key
 from serving.gateway.admission.quota import QuotaActor, QuotaClient
+from serving.gateway.api import create_api
 from serving.gateway.core import GatewayCore
 from serving.gateway.protocol import parse_request
-from serving.gateway.routes import create_api
 from tests.support.actors import LocalActor
 from tests.support.kv import MemoryKV
 from tests.support.loopback import http_replica

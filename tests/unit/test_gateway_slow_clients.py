@@ -15,9 +15,9 @@ from loadtests.relay import OneReplica
 from serving.config import GatewayConfig, parse_config
 from serving.control.serve_config import routing_user_config
 from serving.gateway.admission.quota import WindowCounter
+from serving.gateway.api import create_api
 from serving.gateway.core import GatewayCore
 from serving.gateway.listener import Listener
-from serving.gateway.routes import create_api
 from serving.replica.node import free_port
 from tests.support.loopback import http_replica
 

@@ -278,8 +278,8 @@ async def test_a_long_prompt_is_tokenized_for_routing_off_the_event_loop(monkeyp
     from serving.config import GatewayConfig
     from serving.contract import LeaseHint
     from serving.control.serve_config import routing_user_config
+    from serving.gateway.api import create_api
     from serving.gateway.core import KV_INLINE_BYTES, GatewayCore
-    from serving.gateway.routes import create_api
     from tests.support.loopback import http_replica
 
     async def answer(request: web.Request) -> web.Response:
