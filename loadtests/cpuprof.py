@@ -29,6 +29,7 @@ __all__ = [
     "cpu_seconds",
     "engine_processes",
     "group_of",
+    "load_avg",
     "main",
     "median_cores",
     "split",
@@ -62,6 +63,11 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def load_avg() -> float:
+    """The 1-minute load average, recorded before and after each benchmark level."""
+    return os.getloadavg()[0]
 
 
 def group_of(comm: str, cmdline: str) -> str:

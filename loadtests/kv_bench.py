@@ -45,9 +45,9 @@ from typing import Any
 
 import httpx
 
-from loadtests.bench import completion_bodies, cpu_table, load_avg, round_orders
+from loadtests.bench_tables import cpu_table, round_orders
 from loadtests.client import run_level
-from loadtests.cpuprof import cpu_by_group, split
+from loadtests.cpuprof import cpu_by_group, load_avg, split
 from loadtests.kv_routing import (
     BLOCK_TOKENS,
     CacheSizing,
@@ -70,6 +70,7 @@ from loadtests.servers import (
     stop_session,
     wait_serving,
 )
+from loadtests.workload import completion_bodies
 from serving.config import LoraSlots, RouterName
 
 __all__ = ["add_arguments", "check_arguments", "run"]

@@ -38,9 +38,12 @@ from typing import Any
 
 import httpx
 
-from loadtests.bench import WARMUP_REQUESTS, completion_bodies, load_avg, prompt_pool, round_orders
+from loadtests.bench import WARMUP_REQUESTS
+from loadtests.bench_tables import round_orders
 from loadtests.client import Target, run_targets
+from loadtests.cpuprof import load_avg
 from loadtests.servers import BenchModel, Server, running, session_pids
+from loadtests.workload import completion_bodies, prompt_pool
 from serving.config import EngineConfig, LoraSlots
 
 __all__ = ["main", "parse_rollup", "ratio_rows"]

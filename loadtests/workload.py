@@ -21,7 +21,16 @@ from typing import Any
 
 from loadtests.scenario import RequestSpec, SharedPrefix
 
-__all__ = ["Outcome", "RequestFactory", "StreamMeter", "outcome_of_body", "random_text", "shared_prefixes"]
+__all__ = [
+    "Outcome",
+    "RequestFactory",
+    "StreamMeter",
+    "completion_bodies",
+    "outcome_of_body",
+    "prompt_pool",
+    "random_text",
+    "shared_prefixes",
+]
 
 _ALPHABET = string.ascii_lowercase + "      "
 
@@ -150,3 +159,47 @@ def outcome_of_body(status: int, body: bytes, started: float, now: float) -> Out
         int(usage.get("completion_tokens") or 0),
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
     )
+
+
+def prompt_pool(model_dir: str, tokens: int, n: int = 256, seed: int = 0) -> list[str]:
+    """``n`` different random prompts of exactly ``tokens`` tokens (special tokens included) with
+    the model's own tokenizer; distinct prompts keep prefix caching from skipping the prefill."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(seed)
+
+    def count(s: str) -> int:
+        return len(tok(s)["input_ids"])
+
+    pool = []
+    for _ in range(n):
+        text = random_text(rng, tokens * 4)
+        lo, hi = 1, len(text)
+        while lo < hi:  # longest prefix with <= tokens tokens
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if count(text[:mid]) <= tokens else (lo, mid - 1)
+        pool.append(text[:lo])
+    return pool
+
+
+def completion_bodies(model: str | list[str], prompts: list[Any], output_tokens: int) -> Any:
+    """A body factory walking through ``prompts`` in order (one fresh factory per server, so
+    every server gets the same sequence and, with a large enough pool, never a repeated prompt).
+    ``model``: one name for every request, or a name per prompt (``model[i]`` with ``prompts[i]``)."""
+    it = iter(range(1 << 62))
+    names = [model] * len(prompts) if isinstance(model, str) else model
+
+    def make() -> dict[str, Any]:
+        i = next(it)
+        return {
+            "model": names[i % len(prompts)],
+            "prompt": prompts[i % len(prompts)],
+            "max_tokens": output_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    return make

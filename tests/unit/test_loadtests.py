@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from loadtests.bench import parse_args, ratio_table, server_variant
+from loadtests.bench import parse_args, server_variant
+from loadtests.bench_tables import ratio_table
 from loadtests.client import percentile
 from loadtests.report import format_summary, history_series, plot_history
 from loadtests.scenario import SLO, ScenarioError, load_scenario, scenario_names
@@ -276,7 +277,7 @@ def test_ratio_table() -> None:
 
 
 def test_rounds_alternate_the_order_and_report_medians() -> None:
-    from loadtests.bench import median_rows, round_orders, rounds_table
+    from loadtests.bench_tables import median_rows, round_orders, rounds_table
 
     assert round_orders(["ours", "bare"], 3) == [["ours", "bare"], ["bare", "ours"], ["ours", "bare"]]
 
@@ -369,8 +370,8 @@ def test_bench_runs_each_round_in_its_order_and_writes_the_medians(
 
 
 def test_char_tokenizer_and_exact_length_prompts(tmp_path: Path) -> None:
-    from loadtests.bench import prompt_pool
     from loadtests.models import build_tokenizer
+    from loadtests.workload import prompt_pool
 
     tok = build_tokenizer(vocab_size=300, max_length=1024)
     assert len(tok) == 300
@@ -453,7 +454,7 @@ def test_an_untitled_engine_core_is_found_as_its_api_servers_child() -> None:
 
 
 def test_cpu_table_lists_the_groups_seen() -> None:
-    from loadtests.bench import cpu_table
+    from loadtests.bench_tables import cpu_table
 
     rows = {
         "bare": [{"concurrency": 8, "cores_by_group": {"engine worker": 1.0, "vLLM API server": 0.5}}],
