@@ -17,20 +17,29 @@ compare-and-set:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["LeaseFile", "StoreLock"]
+__all__ = ["LeaseFile", "LockLost", "StoreLock"]
+
+log = logging.getLogger("raystack.lease")
+T = TypeVar("T")
+
+
+class LockLost(Exception):
+    """Another holder took the lease while this one was busy: it stops writing at once."""
 
 
 class LeaseFile:
@@ -172,3 +181,30 @@ class StoreLock:
         with self.lease.mutex():
             if self.held():
                 self.lease.delete()
+
+    def hold_while(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a thread, while this holder keeps renewing the lease so that nobody
+        takes it meanwhile (hashing a large model, an online eval of slow prompts, a warm-up). A
+        lease lost anyway raises :class:`LockLost`. A renewal the store fails (a 503, a network
+        error) is tried again at the next interval; once the lease may have expired without one,
+        it counts as lost."""
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="holding-lock")
+        renewed = time.monotonic()
+        try:
+            job = pool.submit(fn, *args)
+            while True:
+                try:
+                    return job.result(timeout=max(0.05, self.ttl_s / 3))
+                except concurrent.futures.TimeoutError:
+                    try:
+                        held = self.acquire()
+                    except OSError as exc:
+                        if time.monotonic() - renewed < self.ttl_s:
+                            log.warning("renewing the lock while %s: %s; trying again", what, exc)
+                            continue
+                        raise LockLost(f"could not renew the lock while {what}: {exc}") from None
+                    if not held:
+                        raise LockLost(f"lost the lock while {what}") from None
+                    renewed = time.monotonic()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)

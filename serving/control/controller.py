@@ -43,13 +43,12 @@ rollback`` keeps such versions at weight 0.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -67,7 +66,7 @@ from serving.control.watch import (
     shift,
     window,
 )
-from serving.lease import StoreLock
+from serving.lease import LockLost, StoreLock
 from serving.manifest import Manifest
 from serving.record import ControlStore, PromotionRecord, PromotionRequest, StepRecord
 from serving.registry import CheckpointStore, RegistryError, _natural_key
@@ -75,7 +74,6 @@ from serving.registry import CheckpointStore, RegistryError, _natural_key
 __all__ = ["Applier", "Controller", "Prober", "policy_for", "with_live"]
 
 log = logging.getLogger("raystack.promotion")
-T = TypeVar("T")
 
 
 class Applier(Protocol):
@@ -126,10 +124,6 @@ def _split(before: dict[str, int], previous: str, share: int) -> dict[str, int]:
     out = {v: share * w // total for v, w in before.items()}
     out[previous] = out.get(previous, 0) + share - sum(out.values())
     return out
-
-
-class LockLost(Exception):
-    """Another controller took the lock while this one was busy: it stops writing at once."""
 
 
 class Controller:
@@ -362,34 +356,7 @@ class Controller:
     def _verified(self, m: ModelConfig, version: str) -> Manifest:
         """``store.verify`` (every file hashed: minutes for a large model on a remote store),
         holding the lock."""
-        return self._holding_lock(f"verifying {m.name}@{version}", self.store.verify, m.name, version, m.gate)
-
-    def _holding_lock(self, what: str, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in a thread, while this controller keeps renewing its lock so that a
-        standby does not take over meanwhile (hashing a large model, an online eval of slow
-        prompts, a warm-up). A lock lost anyway raises :class:`LockLost`: nothing is recorded then.
-        A renewal the store fails (a 503, a network error) is tried again at the next interval; once
-        the lease may have expired without one, the lock counts as lost."""
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="holding-lock")
-        renewed = time.monotonic()
-        try:
-            job = pool.submit(fn, *args)
-            while True:
-                try:
-                    return job.result(timeout=max(0.05, self.lock.ttl_s / 3))
-                except concurrent.futures.TimeoutError:
-                    try:
-                        held = self.lock.acquire()
-                    except OSError as exc:
-                        if time.monotonic() - renewed < self.lock.ttl_s:
-                            log.warning("renewing the controller lock while %s: %s; trying again", what, exc)
-                            continue
-                        raise LockLost(f"could not renew the controller lock while {what}: {exc}") from None
-                    if not held:
-                        raise LockLost(f"lost the controller lock while {what}") from None
-                    renewed = time.monotonic()
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        return self.lock.hold_while(f"verifying {m.name}@{version}", self.store.verify, m.name, version, m.gate)
 
     def _step(self, rec: PromotionRecord, phase: str, weights: dict[str, int], fig: dict[str, Any], note: str) -> None:
         """Record a step (the record, then ``live.json``), then apply it. Weights keep the versions
@@ -465,7 +432,7 @@ class Controller:
             return None
         try:
             pooling = any(m.name == rec.model and m.engine.runner == "pooling" for m in self.seed.models)
-            self._holding_lock(
+            self.lock.hold_while(
                 f"warming {rec.model}@{rec.version}",
                 self.prober.warm,
                 rec.model,
@@ -525,7 +492,7 @@ class Controller:
         claimed = manifest.eval.value(oe.metric) if manifest.eval else None
         before = self._scrape(rec.model)
         try:
-            score = self._holding_lock(
+            score = self.lock.hold_while(
                 f"evaluating {rec.model}@{rec.version}",
                 self.prober.online_eval,
                 rec.model,
