@@ -32,10 +32,41 @@ from typing import Any, TypeVar
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["LeaseFile", "LockLost", "StoreLock"]
+__all__ = ["LeaseFile", "LockLost", "StoreLock", "delete_file", "is_local", "read_file", "write_whole"]
 
 log = logging.getLogger("raystack.lease")
 T = TypeVar("T")
+
+
+def is_local(fs: AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def read_file(fs: AbstractFileSystem, path: str) -> bytes | None:
+    """The file's bytes as they are now (the listing cache dropped first), None when absent."""
+    fs.invalidate_cache()
+    try:
+        return bytes(fs.cat_file(path))
+    except FileNotFoundError:
+        return None
+
+
+def write_whole(fs: AbstractFileSystem, path: str, data: bytes) -> None:
+    """Replace the file whole or not at all: a reader never sees half of it (locally a renamed
+    temporary file; an object store's put is whole anyway)."""
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    if is_local(fs):
+        tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    else:
+        fs.pipe_file(path, data)
+
+
+def delete_file(fs: AbstractFileSystem, path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(path)
 
 
 class LockLost(Exception):
@@ -52,7 +83,7 @@ class LeaseFile:
 
     @property
     def is_local(self) -> bool:
-        return isinstance(self.fs, LocalFileSystem)
+        return is_local(self.fs)
 
     @property
     def conditional(self) -> bool:
@@ -79,27 +110,14 @@ class LeaseFile:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
     def read(self) -> dict[str, Any] | None:
-        self.fs.invalidate_cache()
-        try:
-            return dict(json.loads(bytes(self.fs.cat_file(self.path))))
-        except FileNotFoundError:
-            return None
+        raw = read_file(self.fs, self.path)
+        return None if raw is None else dict(json.loads(raw))
 
     def write(self, body: dict[str, Any]) -> None:
-        """Replace the lease whole (a reader never sees half of it)."""
-        data = json.dumps(body).encode()
-        if self.is_local:
-            os.makedirs(self.folder, exist_ok=True)
-            tmp = f"{self.path}.tmp-{secrets.token_hex(4)}"
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, self.path)
-        else:
-            self.fs.pipe_file(self.path, data)
+        write_whole(self.fs, self.path, json.dumps(body).encode())
 
     def delete(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self.path)
+        delete_file(self.fs, self.path)
 
     def read_tagged(self) -> tuple[dict[str, Any] | None, str | None]:
         """The lease and the ETag it was read under (``None, None`` when there is none).

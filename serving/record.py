@@ -20,18 +20,15 @@ The lock is a lease (:mod:`serving.lease`) in ``lock.json``: one controller of a
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import secrets
 import time
 from typing import Any, Literal
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.lease import LeaseFile
+from serving.lease import LeaseFile, delete_file, read_file, write_whole
 
 __all__ = [
     "ACTIVE",
@@ -104,31 +101,14 @@ class ControlStore:
         self.base = f"{path.rstrip('/')}/.control/{stack}"
         self.lease = LeaseFile(self.fs, self.base)  # the active controller's lease, lock.json
 
-    @property
-    def is_local(self) -> bool:
-        return isinstance(self.fs, LocalFileSystem)
-
     def _read(self, rel: str) -> bytes | None:
-        self.fs.invalidate_cache()
-        try:
-            return bytes(self.fs.cat_file(f"{self.base}/{rel}"))
-        except FileNotFoundError:
-            return None
+        return read_file(self.fs, f"{self.base}/{rel}")
 
     def _write(self, rel: str, data: bytes) -> None:
-        path = f"{self.base}/{rel}"
-        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        if self.is_local:  # whole or nothing: a reader never sees half a file
-            tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, path)
-        else:
-            self.fs.pipe_file(path, data)
+        write_whole(self.fs, f"{self.base}/{rel}", data)
 
     def _delete(self, rel: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(f"{self.base}/{rel}")
+        delete_file(self.fs, f"{self.base}/{rel}")
 
     # -- live versions ------------------------------------------------------------------------
 
