@@ -47,18 +47,30 @@ def _api_server_pid(replica_pid: int) -> int:
     return kids[0].pid
 
 
+def running_engines(app: str) -> list[tuple[int, int, int]]:
+    """(replica pid, API server pid, EngineCore pid) of each replica of ``app`` with a running
+    EngineCore. A replica that an earlier test's fault is still retiring can linger in the process
+    list without its engine."""
+    found = []
+    for pid in _replica_pids(app):
+        try:
+            api = _api_server_pid(pid)
+        except (AssertionError, psutil.Error):  # no API server (yet, or any more)
+            continue
+        core = engine_core_pid(api)
+        if core is not None:
+            found.append((pid, api, core))
+    return found
+
+
 def engine_victim(app: str) -> tuple[int, int]:
-    """A replica of ``app`` with a running EngineCore, and that core's pid. A replica that an
-    earlier test's fault is still retiring can linger in the process list without its engine."""
+    """A replica of ``app`` with a running EngineCore, and that core's pid."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        for pid in _replica_pids(app):
-            try:
-                core = engine_core_pid(_api_server_pid(pid))
-            except (AssertionError, psutil.Error):  # no API server (yet, or any more)
-                continue
-            if core is not None:
-                return pid, core
+        found = running_engines(app)
+        if found:
+            pid, _, core = found[0]
+            return pid, core
         time.sleep(2)
     raise AssertionError(f"no {app} replica with a running EngineCore")
 

@@ -20,11 +20,10 @@ import pytest
 
 from serving.config import load_config
 from serving.metrics import samples
-from serving.replica.placement import engine_core_pid
 from tests.conftest import Stack
 from tests.integration.raytools import endpoint_records
 from tests.integration.test_failover import _replica_pids, _wait_replicas
-from tests.integration.test_liveness import _api_server_pid
+from tests.integration.test_liveness import running_engines
 
 pytestmark = pytest.mark.integration
 
@@ -86,15 +85,13 @@ def _engines(stack: Stack) -> list[tuple[int, int, str, str]]:
     running engine, matched to its endpoint record by the port its API server listens on."""
     by_port = {int(r["url"].rsplit(":", 1)[1]): r for r in endpoint_records(stack, APP)}
     engines = []
-    for pid in _replica_pids(APP):
+    for pid, api, core in running_engines(APP):
         try:
-            api = psutil.Process(_api_server_pid(pid))
-            ports = {c.laddr.port for c in api.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
-        except (AssertionError, psutil.Error):  # a replica an earlier test's fault is still retiring
+            ports = {c.laddr.port for c in psutil.Process(api).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:  # it stopped since
             continue
-        core = engine_core_pid(api.pid)
         record = next((by_port[p] for p in ports if p in by_port), None)
-        if core is not None and record is not None:
+        if record is not None:
             engines.append((pid, core, record["url"], record["token"]))
     return engines
 
