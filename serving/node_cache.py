@@ -140,20 +140,31 @@ class VerifiedCache:
     def __init__(self, cache_dir: str | Path | None = None) -> None:
         self.dir = Path(cache_dir) if cache_dir else default_cache_dir()
 
-    def resolve_uri(self, uri: str) -> Resolved:
+    def resolve_uri(self, uri: str, pin: str | None = None) -> Resolved:
         """:meth:`resolve` for a version directory URI (``<root>/<model>/<version>``)."""
         root, model, version = split_version_uri(uri)
-        return self.resolve(CheckpointStore(root), model, version)
+        return self.resolve(CheckpointStore(root), model, version, pin)
 
-    def resolve(self, store: CheckpointStore, model: str, version: str) -> Resolved:
+    def resolve(self, store: CheckpointStore, model: str, version: str, pin: str | None = None) -> Resolved:
         """A local directory holding exactly the files of ``model@version``'s manifest.
 
-        Raises :class:`~serving.registry.RegistryError` (``TamperedVersion`` naming the file,
-        ``IncompleteVersion``, ``VersionNotFound``) and never returns a path it has not verified.
+        With ``pin`` (the sha256 of the manifest a promotion's gate checked, or the stack config's
+        ``manifest_sha256``), a manifest with other bytes is refused before any file is read: a
+        version replaced in the store, files and manifest together, is not served.
+
+        Raises :class:`~serving.registry.RegistryError` (``TamperedVersion`` naming the file or the
+        manifest, ``IncompleteVersion``, ``VersionNotFound``) and never returns a path it has not
+        verified.
         """
         started = time.monotonic()
         manifest, raw = store.read_manifest(model, version)
         digest = hashlib.sha256(raw).hexdigest()
+        if pin is not None and digest != pin:
+            raise _refuse(
+                manifest,
+                f"{MANIFEST} has sha256 {digest[:16]}..., not the {pin[:16]}... pinned for this version "
+                "(it was replaced after it was checked)",
+            )
         source = store.uri(model, version)
         slot = self.dir / model / version / f"{hashlib.sha256(source.encode()).hexdigest()[:12]}-{digest[:16]}"
         marker = slot.parent / f"{slot.name}.verified.json"

@@ -9,7 +9,9 @@ and every cluster of a stack can all reach (a local path, a PVC or an ``s3://`` 
     <root>/.control/<stack>/requests/<model>/<key>.json  CLI requests waiting for the controller, oldest first
     <root>/.control/<stack>/promotions/<model>/<id>.json one record per promotion, steps appended
 
-``live.json`` is what serves: each step is written into the promotion's record (marked
+``live.json`` is what serves: each model's versions and weights, and for a version the controller
+promoted, the sha256 of the manifest its gate checked (``manifest_sha256``), which that version's
+replicas hold the store's manifest to. Each step is written into the promotion's record (marked
 ``live_pending``), then into ``live.json``, before it is applied, and the mark is cleared; the
 controller writes a step still marked into ``live.json`` at its next poll. So whatever reads
 ``live.json`` (a restarted controller, ``serving up``) applies the step that was in progress, never
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import fsspec
@@ -33,10 +36,12 @@ from serving.lease import LeaseFile, delete_file, read_file, write_whole
 __all__ = [
     "ACTIVE",
     "ControlStore",
+    "LiveEntry",
     "LiveVersion",
     "PromotionRecord",
     "PromotionRequest",
     "StepRecord",
+    "pin_of",
 ]
 
 Status = Literal["deploying", "stepping", "finishing", "promoted", "rolled_back", "refused", "aborted"]
@@ -47,9 +52,24 @@ class _Doc(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# A live version as the record gives it: (version, weight), or (version, weight, manifest sha256) pinned.
+LiveEntry = tuple[str, int] | tuple[str, int, str]
+
+
+def pin_of(entry: LiveEntry) -> str | None:
+    """The manifest sha256 a live entry pins, if any."""
+    return entry[2] if len(entry) == 3 else None
+
+
 class LiveVersion(_Doc):
     version: str
     weight: int = Field(ge=0, le=100)
+    manifest_sha256: str | None = None
+
+    def entry(self) -> LiveEntry:
+        if self.manifest_sha256:
+            return (self.version, self.weight, self.manifest_sha256)
+        return (self.version, self.weight)
 
 
 class StepRecord(_Doc):
@@ -76,6 +96,7 @@ class PromotionRecord(_Doc):
     policy: dict[str, Any] = {}
     reason: str = ""
     live_pending: bool = False  # its last step with weights is recorded but not yet in live.json
+    manifest_sha256: str | None = None  # of the manifest its gate checked: the version's pin in live.json
     created_at: float
     updated_at: float
     steps: list[StepRecord] = []
@@ -119,10 +140,15 @@ class ControlStore:
         data: dict[str, dict[str, list[dict[str, Any]]]] = json.loads(raw)
         return {m: [LiveVersion.model_validate(v) for v in vs] for m, vs in data["models"].items()}
 
-    def set_live(self, model: str, versions: list[tuple[str, int]]) -> None:
-        """Record ``model``'s versions and weights, keeping every other model's as they are now."""
-        current = {m: [v.model_dump() for v in vs] for m, vs in self.live().items()}
-        current[model] = [{"version": v, "weight": w} for v, w in versions]
+    def set_live(self, model: str, versions: Sequence[LiveEntry]) -> None:
+        """Record ``model``'s versions and weights, keeping every other model's as they are now. A
+        version given without a pin keeps the one recorded for it."""
+        live = self.live()
+        pinned = {v.version: v.manifest_sha256 for v in live.get(model, [])}
+        live[model] = [
+            LiveVersion(version=e[0], weight=e[1], manifest_sha256=pin_of(e) or pinned.get(e[0])) for e in versions
+        ]
+        current = {m: [v.model_dump(exclude_none=True) for v in vs] for m, vs in live.items()}
         self._write("live.json", json.dumps({"models": current}, indent=2).encode())
 
     # -- promotions ---------------------------------------------------------------------------

@@ -335,12 +335,17 @@ class CheckpointStore:
 
     def verify(self, model: str, version: str, gate: Gate | None = None) -> Manifest:
         """Re-hash every file against the manifest, then apply the eval gate."""
-        manifest = self.manifest(model, version)
+        return self.verify_pinned(model, version, gate)[0]
+
+    def verify_pinned(self, model: str, version: str, gate: Gate | None = None) -> tuple[Manifest, str]:
+        """:meth:`verify`, with the sha256 of the manifest's bytes that were checked: the pin that
+        replicas of this version then hold the store's manifest to (``ModelVersion.manifest_sha256``)."""
+        manifest, raw = self.read_manifest(model, version)
         path = self.version_path(model, version)
         check_files(manifest, set(self._remote_files(path)), self._remote_hash(path))
         if gate is not None:
             gate.check(manifest)
-        return manifest
+        return manifest, hashlib.sha256(raw).hexdigest()
 
     def _remote_hash(self, base: str) -> Callable[[str], str]:
         def digest(rel: str) -> str:

@@ -3,6 +3,7 @@ its Serve deployment, its LoRA slots and its promotion policy."""
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -26,6 +27,7 @@ __all__ = [
 ]
 
 RunnerName = Literal["generate", "pooling"]
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 class EngineConfig(Strict):
@@ -172,12 +174,25 @@ class ModelVersion(Strict):
     )
     weight: int = Field(100, ge=0, le=100, description="Percent of the bare model name's traffic.")
     recipe: TrainRecipe | None = Field(None, description="Train this version if it is missing.")
+    manifest_sha256: str | None = Field(
+        None,
+        description="sha256 of the version's manifest.json (`serving versions` prints it): its replicas refuse "
+        "a manifest with other bytes, so a version replaced in the store, files and manifest together, is not "
+        "served. The promotion controller pins every version it promotes itself (live.json).",
+    )
 
     @field_validator("version")
     @classmethod
     def _version_name(cls, v: str) -> str:
         if not VERSION_RE.match(v):
             raise ValueError("version must be 1-31 chars of letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("manifest_sha256")
+    @classmethod
+    def _sha256(cls, v: str | None) -> str | None:
+        if v is not None and not SHA256_RE.match(v):
+            raise ValueError("manifest_sha256 must be 64 lowercase hex digits")
         return v
 
 

@@ -6,6 +6,7 @@ Every command reads the same stack config file (``--config``, default ``deployme
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -259,15 +260,17 @@ def promotions(model: str | None = typer.Argument(None), config: Path = ConfigOp
 
 @app.command()
 def versions(model: str = typer.Argument(...), config: Path = ConfigOpt) -> None:
-    """List a model's versions in the checkpoint store, with their eval scores and traffic."""
+    """List a model's versions in the checkpoint store, with their eval scores, traffic and the
+    sha256 of their manifest (a version's ``manifest_sha256`` pin in the stack config)."""
     cfg = _load(config)
     store = _store(cfg, config)
     live = {v.version: v.weight for v in _model(cfg, model, config).versions}
     for v in store.list_versions(model):
-        man = store.manifest(model, v)
+        man, raw = store.read_manifest(model, v)
         base = f"{man.base.source}:{man.base.ref}" if man.base else "-"
         scores = " ".join(f"{k}={x:.3f}" for k, x in sorted(man.eval.metrics.items())) if man.eval else "no eval"
-        print(f"{v:10} base={base} {scores} traffic={live.get(v, 0)}%")
+        pin = hashlib.sha256(raw).hexdigest()
+        print(f"{v:10} base={base} {scores} traffic={live.get(v, 0)}% manifest_sha256={pin}")
 
 
 @app.command("import")
@@ -294,6 +297,7 @@ def import_(
         f"imported {model}@{version} ({manifest.architecture or 'unknown architecture'}, "
         f"{len(manifest.files)} files, {size / 1e6:.1f} MB) into {store.uri(model, version)}"
     )
+    print(f"manifest_sha256: {hashlib.sha256(store.read_manifest(model, version)[1]).hexdigest()}")
 
 
 @app.command("render-k8s")

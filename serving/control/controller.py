@@ -46,7 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -68,7 +68,7 @@ from serving.control.watch import (
 )
 from serving.lease import LockLost, StoreLock
 from serving.manifest import Manifest
-from serving.record import ControlStore, PromotionRecord, PromotionRequest, StepRecord
+from serving.record import ControlStore, LiveEntry, PromotionRecord, PromotionRequest, StepRecord, pin_of
 from serving.registry import CheckpointStore, RegistryError, _natural_key
 
 __all__ = ["Applier", "Controller", "Prober", "policy_for", "with_live"]
@@ -94,16 +94,18 @@ class Prober(Protocol):
     def online_eval(self, model: str, version: str, manifest: Manifest, n: int) -> float | None: ...
 
 
-def with_live(cfg: StackConfig, live: dict[str, list[tuple[str, int]]]) -> StackConfig:
-    """The stack config with the recorded live versions and weights of each model applied."""
+def with_live(cfg: StackConfig, live: Mapping[str, Sequence[LiveEntry]]) -> StackConfig:
+    """The stack config with the recorded live versions and weights of each model applied, and the
+    manifest pins the record holds (over the config's own)."""
     models = []
     for m in cfg.models:
         if m.name in live:
             known = {v.version: v for v in m.versions}
-            versions = [
-                known[v].model_copy(update={"weight": w}) if v in known else ModelVersion(version=v, weight=w)
-                for v, w in live[m.name]
-            ]
+            versions = []
+            for entry in live[m.name]:
+                v, w, pin = entry[0], entry[1], pin_of(entry)
+                fields: dict[str, Any] = {"weight": w} | ({"manifest_sha256": pin} if pin else {})
+                versions.append(known[v].model_copy(update=fields) if v in known else ModelVersion(version=v, **fields))
             m = m.model_copy(update={"versions": versions})
         models.append(m.model_dump())
     return StackConfig.model_validate({**cfg.model_dump(), "models": models})
@@ -151,14 +153,14 @@ class Controller:
 
     # -- the record -----------------------------------------------------------------------------
 
-    def live(self) -> dict[str, list[tuple[str, int]]]:
-        recorded = {m: [(v.version, v.weight) for v in vs] for m, vs in self.control.live().items()}
+    def live(self) -> dict[str, Sequence[LiveEntry]]:
+        recorded = {m: [v.entry() for v in vs] for m, vs in self.control.live().items()}
         return {m.name: recorded.get(m.name) or [(v.version, v.weight) for v in m.versions] for m in self.seed.models}
 
     def current(self) -> StackConfig:
         return with_live(self.seed, self.live())
 
-    def _set(self, model: str, versions: list[tuple[str, int]]) -> None:
+    def _set(self, model: str, versions: Sequence[LiveEntry]) -> None:
         """Record, then apply the whole current config (every model as recorded now)."""
         self.control.set_live(model, versions)
         self._dirty = True
@@ -177,7 +179,11 @@ class Controller:
     def _to_live(self, rec: PromotionRecord) -> None:
         """Write the record's last weighted step into ``live.json``, then clear its mark."""
         last = next(s for s in reversed(rec.steps) if s.weights)
-        self.control.set_live(rec.model, list(last.weights.items()))
+        pin = rec.manifest_sha256
+        entries: list[LiveEntry] = [
+            (v, w, pin) if v == rec.version and pin else (v, w) for v, w in last.weights.items()
+        ]
+        self.control.set_live(rec.model, entries)
         self._dirty = True
         rec.live_pending = False
         self.control.save(rec)
@@ -330,7 +336,7 @@ class Controller:
         if m.version(version) is not None:
             return self._refuse(m, version, f"{m.name}@{version} is already deployed")
         try:
-            manifest = self._verified(m, version)
+            manifest, pin = self._verified(m, version)
             if m.base is not None:
                 self.bases.check(self.current(), m, version)
         except (RegistryError, OSError) as exc:
@@ -345,7 +351,7 @@ class Controller:
         rec = PromotionRecord(
             id=f"{now:.3f}-{version}", model=m.name, version=version, previous=live,
             source="auto" if source == "auto" else "manual", policy=policy.model_dump(mode="json"),
-            created_at=now, updated_at=now, baseline={"before": self._snapshot(m.name)},
+            created_at=now, updated_at=now, baseline={"before": self._snapshot(m.name)}, manifest_sha256=pin,
         )  # fmt: skip
         self._resumed.add(rec.id)
         scores = {k: v for k, v in (manifest.eval.metrics.items() if manifest.eval else [])}
@@ -353,10 +359,11 @@ class Controller:
         self._step(rec, "deploy", weights, scores, f"verified {len(manifest.files)} files")
         return rec
 
-    def _verified(self, m: ModelConfig, version: str) -> Manifest:
-        """``store.verify`` (every file hashed: minutes for a large model on a remote store),
-        holding the lock."""
-        return self.lock.hold_while(f"verifying {m.name}@{version}", self.store.verify, m.name, version, m.gate)
+    def _verified(self, m: ModelConfig, version: str) -> tuple[Manifest, str]:
+        """``store.verify_pinned`` (every file hashed: minutes for a large model on a remote store),
+        holding the lock: the manifest and the sha256 of its bytes, which the version's replicas
+        are then held to."""
+        return self.lock.hold_while(f"verifying {m.name}@{version}", self.store.verify_pinned, m.name, version, m.gate)
 
     def _step(self, rec: PromotionRecord, phase: str, weights: dict[str, int], fig: dict[str, Any], note: str) -> None:
         """Record a step (the record, then ``live.json``), then apply it. Weights keep the versions

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from serving.config import StackConfig, load_config
+from serving.record import LiveEntry
 
 __all__ = [
     "K8sError",
@@ -92,10 +94,14 @@ def render_serve_config_v2(config_path: str | Path, live: Live | None = None) ->
 
 # --- the record of live versions -------------------------------------------------------------
 
-Live = dict[str, list[tuple[str, int]]]
+Live = dict[str, list[LiveEntry]]  # per model: (version, weight) or (version, weight, manifest sha256)
 # A Callable giving the live versions to render for (stack config, path of the committed patch).
 LiveSource = Callable[[StackConfig, Path], Live]
 LIVE_HEADER = "# live versions from the promotion record: "
+
+
+def _entry(version: Any, weight: Any, pin: Any = None) -> LiveEntry:
+    return (str(version), int(weight), str(pin)) if pin else (str(version), int(weight))
 
 
 def committed_live(cfg: StackConfig, patch: Path) -> Live:
@@ -107,7 +113,7 @@ def committed_live(cfg: StackConfig, patch: Path) -> Live:
     for line in patch.read_text().splitlines():
         if line.startswith(LIVE_HEADER):
             data = json.loads(line[len(LIVE_HEADER) :])
-            return {m: [(str(v), int(w)) for v, w in vs] for m, vs in data.items()}
+            return {m: [_entry(*e) for e in vs] for m, vs in data.items()}
         if not line.startswith("#"):
             break
     return {}
@@ -135,7 +141,7 @@ def store_live(cfg: StackConfig, patch: Path) -> Live:
             "render where the store is readable, or pass --as-written for the versions of the YAML"
         ) from None
     names = {m.name for m in cfg.models}
-    return {m: [(v.version, v.weight) for v in vs] for m, vs in sorted(record.items()) if m in names}
+    return {m: [v.entry() for v in vs] for m, vs in sorted(record.items()) if m in names}
 
 
 class _LiteralDumper(yaml.SafeDumper):

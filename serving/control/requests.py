@@ -26,7 +26,7 @@ def live_config(cfg: StackConfig, control: ControlStore) -> StackConfig:
     """The stack config with the store's record of live versions applied (what serves)."""
     recorded = control.live()
     names = {m.name for m in cfg.models}
-    return with_live(cfg, {m: [(v.version, v.weight) for v in vs] for m, vs in recorded.items() if m in names})
+    return with_live(cfg, {m: [v.entry() for v in vs] for m, vs in recorded.items() if m in names})
 
 
 def controller_alive(control: ControlStore, clock: Callable[[], float] = time.time) -> bool:

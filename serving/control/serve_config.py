@@ -183,6 +183,16 @@ def adapter_sources(
     }
 
 
+def adapter_pins(cfg: StackConfig, m: ModelConfig, v: ModelVersion, bases: Bases) -> dict[str, str]:
+    """The manifest pins of :func:`adapter_sources`' versions that have one: ``name@version`` -> sha256."""
+    return {
+        f"{a.name}@{av.version}": av.manifest_sha256
+        for a in cfg.adapters_of(m)
+        for av in a.versions
+        if bases.get((a.name, av.version)) == v.version and av.manifest_sha256
+    }
+
+
 def _placement(m: ModelConfig) -> dict[str, Any]:
     d = m.deployment
     world = m.engine.tensor_parallel_size * m.engine.pipeline_parallel_size
@@ -210,7 +220,9 @@ def _autoscaling(a: AutoscalingConfig) -> dict[str, Any]:
     }
 
 
-def _model_deployment(m: ModelConfig, name: str, grace_s: float, adapters: dict[str, str] | None) -> dict[str, Any]:
+def _model_deployment(
+    m: ModelConfig, name: str, grace_s: float, adapters: dict[str, str] | None, pins: dict[str, str] | None = None
+) -> dict[str, Any]:
     d = m.deployment
     out: dict[str, Any] = {
         "name": name,
@@ -230,7 +242,7 @@ def _model_deployment(m: ModelConfig, name: str, grace_s: float, adapters: dict[
     if router:
         out["request_router_config"] = {"request_router_class": router}
     if adapters is not None:  # a base of adapters: registered at run time, so a change restarts nothing
-        out["user_config"] = {"adapters": adapters}
+        out["user_config"] = {"adapters": adapters} | ({"pins": pins} if pins else {})
     return out
 
 
@@ -243,6 +255,7 @@ def _model_application(
         model=m.name,
         version=v.version,
         path=cfg.version_path(m, v, base),
+        manifest_sha256=v.manifest_sha256,
         engine=m.engine,
         use_gpu=m.deployment.gpus_per_rank > 0,
         gpus_per_rank=m.deployment.gpus_per_rank,
@@ -255,12 +268,14 @@ def _model_application(
         kv_events=m.deployment.router == "kv_aware",
     )
     adapters = adapter_sources(cfg, m, v, base, bases) if lora else None
+    pins = adapter_pins(cfg, m, v, bases) if lora else None
+    args = spec.model_dump(mode="json", exclude={"manifest_sha256"} if spec.manifest_sha256 is None else None)
     return {
         "name": name,
         "route_prefix": None,
         "import_path": "serving.replica.server:build_model_server",
-        "args": {"name": name, "spec": spec.model_dump(mode="json")},
-        "deployments": [_model_deployment(m, name, cfg.shutdown.grace_s, adapters)],
+        "args": {"name": name, "spec": args},
+        "deployments": [_model_deployment(m, name, cfg.shutdown.grace_s, adapters, pins)],
     }
 
 

@@ -95,7 +95,7 @@ class PromotionStatus:
         return {
             "object": "promotion.status",
             "model": name,
-            "live": [v.model_dump() for v in live or []],
+            "live": [v.model_dump(exclude_none=True) for v in live or []],
             "active": _summary(active, steps=False) if active else None,
             "history": [_summary(r, steps) for r in reversed(history[-last:])],
         }

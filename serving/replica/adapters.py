@@ -87,9 +87,10 @@ class AdapterSet:
         self.client, self.url, self.slots = client, url, slots
         self.on_change, self.tags, self.cache_dir = on_change, tags, cache_dir
         self.allowed: dict[str, str] = {}  # name@version -> store path of the version
+        self.pins: dict[str, str] = {}  # name@version -> sha256 its manifest must have (where pinned)
         self.registered: dict[str, str] = {}  # name@version -> verified local folder, registered now
         self._retiring: dict[str, asyncio.Task[None]] = {}
-        self._refused: dict[str, tuple[str, float, str]] = {}  # name -> (store path, refused until, why)
+        self._refused: dict[str, tuple[str, float, str]] = {}  # name -> (store path#pin, refused until, why)
         self._seen_at = 0.0  # the newest lora_requests_info stamp read (the engine's clock)
         self._metrics: Any = None
         try:
@@ -107,9 +108,10 @@ class AdapterSet:
     def holds(self, name: str) -> bool:
         return name in self.registered and name not in self._retiring
 
-    def configure(self, allowed: dict[str, str]) -> None:
-        """The adapter versions of the base's ``user_config``; registered ones no longer in it retire."""
-        self.allowed = dict(allowed)
+    def configure(self, allowed: dict[str, str], pins: dict[str, str] | None = None) -> None:
+        """The adapter versions of the base's ``user_config`` (and their manifests' pins); registered
+        ones no longer in it retire."""
+        self.allowed, self.pins = dict(allowed), dict(pins or {})
         for name in [n for n in self.registered if n not in allowed]:
             self.retire(name)
 
@@ -122,7 +124,7 @@ class AdapterSet:
             retiring.cancel()
             self._count("loads", name)
         elif name not in self.registered:
-            source = self.allowed[name]
+            source = f"{self.allowed[name]}#{self.pins.get(name, '')}"
             refused = self._refused.get(name)
             if refused is not None and refused[0] == source and time.monotonic() < refused[1]:
                 raise AdapterRefused(refused[2])
@@ -147,7 +149,7 @@ class AdapterSet:
 
     def _verified(self, name: str) -> str:
         try:
-            resolved = VerifiedCache(self.cache_dir).resolve_uri(self.allowed[name])
+            resolved = VerifiedCache(self.cache_dir).resolve_uri(self.allowed[name], self.pins.get(name))
         except (RegistryError, OSError, ValueError) as exc:  # tampered, partial, unreadable: named
             raise AdapterRefused(f"{name}: {exc}") from None
         adapter = resolved.manifest.adapter

@@ -102,6 +102,7 @@ class EngineSpec(BaseModel):
     model: str
     version: str
     path: str
+    manifest_sha256: str | None = None  # the manifest's bytes must hash to this (ModelVersion.manifest_sha256)
     engine: EngineConfig
     use_gpu: bool = False
     gpus_per_rank: float = 0.0
@@ -125,10 +126,11 @@ class WeightsRefused(RuntimeError):
 def verified_spec(spec: EngineSpec, cache_dir: str | None = None) -> EngineSpec:
     """``spec`` with ``path`` replaced by a local directory whose every file matched the version's
     manifest (:class:`serving.node_cache.VerifiedCache`; ``path`` is ``<store root>/<model>/<version>``,
-    local or any fsspec URI). Raising here fails the replica's constructor, so Serve retries it a
-    few times and then marks the deployment DEPLOY_FAILED with this message, naming the file."""
+    local or any fsspec URI), and that manifest the one ``manifest_sha256`` pins, if set. Raising
+    here fails the replica's constructor, so Serve retries it a few times and then marks the
+    deployment DEPLOY_FAILED with this message, naming the file."""
     try:
-        resolved = VerifiedCache(cache_dir).resolve_uri(spec.path)
+        resolved = VerifiedCache(cache_dir).resolve_uri(spec.path, spec.manifest_sha256)
     except (RegistryError, ValueError, OSError) as exc:
         raise WeightsRefused(
             f"refusing to start vLLM for {spec.model}@{spec.version} from {spec.path}: {exc}"

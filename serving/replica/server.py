@@ -167,7 +167,7 @@ class ModelServer:
         """The base deployment's ``user_config``: the adapter versions it may register (on the
         replica's event loop, where adapters retire)."""
         if self.adapters is not None:
-            self.adapters.configure(dict(user_config.get("adapters", {})))
+            self.adapters.configure(dict(user_config.get("adapters", {})), dict(user_config.get("pins", {})))
 
     async def _engine_values(self) -> dict[str, float]:
         from serving.metrics import EngineMetrics, parse_prometheus_values

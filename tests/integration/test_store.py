@@ -1,6 +1,7 @@
 """Versions from S3 (moto's server on loopback) on the real stack: ``subtractor@v1`` was brought in
 with ``serving import`` and every replica verified it before its engine started; a tampered
-object is refused before any engine starts, with the file named, and the live versions go on."""
+object is refused before any engine starts, with the file named, as is a manifest other than the
+one a version is pinned to, and the live versions go on."""
 
 from __future__ import annotations
 
@@ -95,15 +96,19 @@ def test_tampered_s3_version_refused_before_the_engine(stack: Stack, s3_env: dic
     out = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode != 0 and "refused" in out and "file model.safetensors does not match" in out, out
 
-    # deployed anyway (as if tampered after that check): the replica refuses before vLLM starts
+    # deployed anyway (as if tampered after that check): the replica refuses before vLLM starts;
+    # and v1's checkpoint under a pin its manifest does not have (as if the version had been
+    # replaced, files and manifest together, after its promotion) is refused on the manifest
     cfg = load_config(stack.config)
     state = StackState.load(cfg.name)
     assert state is not None
     m = cfg.model("subtractor")
+    v1_path = f"s3://{BUCKET}/store/subtractor/v1"
+    pinned = ModelVersion(version="v1p", weight=0, path=v1_path, manifest_sha256="0" * 64)
     bad = cfg.model_copy(
         update={
             "models": [
-                x.model_copy(update={"versions": [*x.versions, ModelVersion(version="v2", weight=0)]})
+                x.model_copy(update={"versions": [*x.versions, ModelVersion(version="v2", weight=0), pinned]})
                 if x.name == "subtractor"
                 else x
                 for x in cfg.models
@@ -119,6 +124,11 @@ def test_tampered_s3_version_refused_before_the_engine(stack: Stack, s3_env: dic
         message = " ".join(str(failed.value).split())
         assert "refusing to start vLLM for subtractor@v2" in message, message
         assert "file model.safetensors does not match its sha256" in message, message
+        with pytest.raises(RuntimeError) as failed:
+            wait_running(state, [app_name(m.name, "v1p")], 300, log=lambda _m: None)
+        message = " ".join(str(failed.value).split())
+        assert f"refusing to start vLLM for subtractor@v1p from {v1_path}" in message, message
+        assert "subtractor@v1: manifest.json has sha256" in message and f"not the {'0' * 16}... pinned" in message
     finally:
         deploy(state, build_serve_config(cfg, base, seed=cfg))
     assert _subtracts(stack)  # v1 serves on

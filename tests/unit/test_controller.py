@@ -355,18 +355,18 @@ def test_a_long_verification_keeps_the_lock_and_a_controller_that_loses_it_write
     assert a.tick() == "active"
     _publish(tmp / "ck", "calc", "v2")
     renewals: list[float] = []
-    acquire, verify = a.lock.acquire, a.store.verify
+    acquire, verify = a.lock.acquire, a.store.verify_pinned
 
     def counting() -> bool:
         renewals.append(clock.t)
         return acquire()
 
-    def slow(*args: Any) -> Manifest:
+    def slow(*args: Any) -> tuple[Manifest, str]:
         time.sleep(0.45)
         return verify(*args)
 
     a.lock.acquire = counting  # type: ignore[method-assign]
-    a.store.verify = slow  # type: ignore[method-assign]
+    a.store.verify_pinned = slow  # type: ignore[method-assign]
     a.control.submit("calc", PromotionRequest(action="promote", version="v2", at=0))
     assert a.tick() == "active"
     assert len(renewals) >= 3  # the tick's own, and at least two while hashing
@@ -376,13 +376,13 @@ def test_a_long_verification_keeps_the_lock_and_a_controller_that_loses_it_write
     _publish(tmp / "ck", "calc", "v3")
     b = _controller(tmp, _cfg("manual"), clock, Cluster(clock), holder="green")
 
-    def taken(*args: Any) -> Manifest:
+    def taken(*args: Any) -> tuple[Manifest, str]:
         clock.t += 1  # the lock expired...
         assert b.tick() == "active"  # ...and green took it
         time.sleep(0.3)
         return verify(*args)
 
-    a.store.verify = taken  # type: ignore[method-assign]
+    a.store.verify_pinned = taken  # type: ignore[method-assign]
     a.control.submit("calc", PromotionRequest(action="abort", at=0))
     a.tick()  # the abort ends v2's promotion
     a.control.submit("calc", PromotionRequest(action="promote", version="v3", at=0))
@@ -396,16 +396,16 @@ def test_a_store_that_cannot_be_read_refuses_a_manual_promotion_and_retries_an_a
     tmp, clock, cluster = env
     ctl = _controller(tmp, _cfg("auto"), clock, cluster)
     _publish(tmp / "ck", "calc", "v2")
-    verify = ctl.store.verify
+    verify = ctl.store.verify_pinned
     calls: list[str] = []
 
-    def unreadable(*args: Any) -> Manifest:
+    def unreadable(*args: Any) -> tuple[Manifest, str]:
         calls.append(args[1])
         if len(calls) < 3:
             raise PermissionError("403 Forbidden")
         return verify(*args)
 
-    ctl.store.verify = unreadable  # type: ignore[method-assign]
+    ctl.store.verify_pinned = unreadable  # type: ignore[method-assign]
     _run(ctl, clock, 2)
     assert calls == ["v2", "v2"] and ctl.control.history("calc") == []  # not "tried": retried
     ctl.tick()
@@ -415,10 +415,10 @@ def test_a_store_that_cannot_be_read_refuses_a_manual_promotion_and_retries_an_a
     manual = _controller(tmp / "m", _cfg("manual"), clock, Cluster(clock))
     _publish(tmp / "m" / "ck", "calc", "v2")
 
-    def forbidden(*args: Any) -> Manifest:
+    def forbidden(*args: Any) -> tuple[Manifest, str]:
         raise PermissionError("403 Forbidden")
 
-    manual.store.verify = forbidden  # type: ignore[method-assign]
+    manual.store.verify_pinned = forbidden  # type: ignore[method-assign]
     manual.control.submit("calc", PromotionRequest(action="promote", version="v2", at=0))
     manual.tick()
     (rec,) = manual.control.history("calc")

@@ -100,13 +100,13 @@ def test_the_deploy_timeout_counts_from_after_the_hashing(env: Any) -> None:
     tmp, clock, cluster = env
     ctl = _controller(tmp, _cfg("manual", deploy_timeout_s=60), clock, cluster)
     _publish(tmp / "ck", "calc", "v2")
-    verify = ctl.store.verify
+    verify = ctl.store.verify_pinned
 
-    def slow(*args: Any) -> Manifest:
+    def slow(*args: Any) -> tuple[Manifest, str]:
         clock.t += 300  # hashing a large checkpoint on a remote store
         return verify(*args)
 
-    ctl.store.verify = slow  # type: ignore[method-assign]
+    ctl.store.verify_pinned = slow  # type: ignore[method-assign]
     cluster.status["calc--v2"] = ("DEPLOYING", "")
     ctl.control.submit("calc", PromotionRequest(action="promote", version="v2", at=0))
     ctl.tick()

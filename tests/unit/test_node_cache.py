@@ -285,6 +285,39 @@ def test_replica_spec_resolves_through_the_cache(
         verified_spec(spec)
 
 
+def test_a_manifest_other_than_the_pinned_one_is_refused_before_any_file_is_read(
+    tmp_path: Path, hashes: list[str]
+) -> None:
+    """A version rewritten in the store after its gate passed (here its manifest's eval score
+    raised; the files still match it) is refused where it is pinned, and served where not."""
+    from serving.config import EngineConfig
+    from serving.replica.engine import EngineSpec, WeightsRefused, verified_spec
+
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.publish(fake_checkpoint(tmp_path / "src"), fields("adder", "v1", score=0.5))
+    manifest_file = Path(store.version_path("adder", "v1")) / "manifest.json"
+    pin = hashlib.sha256(manifest_file.read_bytes()).hexdigest()
+    cache = VerifiedCache(tmp_path / "cache")
+    assert cache.resolve(store, "adder", "v1", pin).action == "verified"
+    raw = json.loads(manifest_file.read_text())
+    raw["eval"]["metrics"]["exact_match"] = 0.99
+    manifest_file.write_text(json.dumps(raw))
+    hashes.clear()
+    with pytest.raises(
+        TamperedVersion, match=rf"adder@v1: manifest.json has sha256 \w{{16}}\.\.\., not the {pin[:16]}"
+    ):
+        cache.resolve(store, "adder", "v1", pin)
+    assert hashes == []  # refused on the manifest alone
+    assert cache.resolve(store, "adder", "v1").action == "verified"  # unpinned: the files match it
+    spec = EngineSpec(
+        model="adder", version="v1", path=store.uri("adder", "v1"), manifest_sha256=pin, engine=EngineConfig()
+    )
+    with pytest.raises(WeightsRefused, match="refusing to start vLLM for adder@v1 .*manifest.json has sha256"):
+        verified_spec(spec, str(tmp_path / "cache"))
+    repinned = spec.model_copy(update={"manifest_sha256": hashlib.sha256(manifest_file.read_bytes()).hexdigest()})
+    assert verified_spec(repinned, str(tmp_path / "cache")).path == store.version_path("adder", "v1")
+
+
 def test_serving_up_reports_the_replicas_exception() -> None:
     from serving.control.stack import _failure
 
