@@ -7,6 +7,7 @@ and every cluster of a stack can all reach (a local path, a PVC or an ``s3://`` 
     <root>/.control/<stack>/live.json                   live versions and weights of every model
     <root>/.control/<stack>/lock.json                   the active controller's lease
     <root>/.control/<stack>/requests/<model>/<key>.json  CLI requests waiting for the controller, oldest first
+    <root>/.control/<stack>/requests/<model>.json        a request in the single file older controllers read: first
     <root>/.control/<stack>/promotions/<model>/<id>.json one record per promotion, steps appended
 
 ``live.json`` is what serves: each model's versions and weights, and for a version the controller
@@ -190,33 +191,45 @@ class ControlStore:
         (named by the time it was made), so two made at once are both taken, one per poll, oldest
         first. ``key``: put back a request that was taken, where it was."""
         key = key or f"{time.time_ns():020d}-{secrets.token_hex(4)}"
-        self._write(f"requests/{model}/{key}.json", request.model_dump_json().encode())
+        self._write(_request_file(model, key), request.model_dump_json().encode())
         return key
 
     def _request_keys(self, model: str) -> list[str]:
+        """The keys of ``model``'s waiting requests, oldest first. A request in the single file
+        ``requests/<model>.json`` (where controllers before the queue folder took one request per
+        model) comes first: it was made before the controller that reads this was deployed."""
         folder = f"{self.base}/requests/{model}"
         self.fs.invalidate_cache()
+        single = [SINGLE_KEY] if self.fs.exists(f"{self.base}/{_request_file(model, SINGLE_KEY)}") else []
         try:
             paths = self.fs.ls(folder, detail=False)
         except FileNotFoundError:
-            return []
+            return single
         names = (p.rstrip("/").rsplit("/", 1)[-1] for p in paths)
-        return sorted(n[: -len(".json")] for n in names if n.endswith(".json"))
+        return single + sorted(n[: -len(".json")] for n in names if n.endswith(".json"))
 
     def take_request(self, model: str) -> tuple[str, PromotionRequest] | None:
         """The oldest request waiting for ``model`` and its key, removed from the queue."""
         for key in self._request_keys(model):
-            raw = self._read(f"requests/{model}/{key}.json")
+            raw = self._read(_request_file(model, key))
             if raw is None:  # taken in between
                 continue
-            self._delete(f"requests/{model}/{key}.json")
+            self._delete(_request_file(model, key))
             return key, PromotionRequest.model_validate_json(raw)
         return None
 
     def pending_request(self, model: str, key: str | None = None) -> PromotionRequest | None:
         """The request ``key`` if it still waits, else (no key) the oldest one waiting."""
         for k in [key] if key else self._request_keys(model):
-            raw = self._read(f"requests/{model}/{k}.json")
+            raw = self._read(_request_file(model, k))
             if raw is not None:
                 return PromotionRequest.model_validate_json(raw)
         return None
+
+
+SINGLE_KEY = "single"  # the key of a request in ``requests/<model>.json``
+
+
+def _request_file(model: str, key: str) -> str:
+    """Where the request ``key`` of ``model`` is, relative to the stack's control folder."""
+    return f"requests/{model}.json" if key == SINGLE_KEY else f"requests/{model}/{key}.json"

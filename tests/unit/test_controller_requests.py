@@ -65,3 +65,23 @@ def test_two_requests_made_before_a_poll_are_both_handled_oldest_first(manual: t
     assert pending is not None and pending.version == "v2"
     ctl.tick()
     assert cluster.weights() == [("v2", 100)] and ctl.control.pending_request("calc") is None
+
+
+def test_a_request_left_in_the_single_file_of_an_older_controller_is_taken_first(
+    manual: tuple[Controller, Cluster], tmp_path: Path
+) -> None:
+    """A request written as ``requests/<model>.json`` (one per model, as older controllers read
+    them) before the controller was upgraded is handled, before any made since."""
+    ctl, cluster = manual
+    old = PromotionRequest(action="rollback", version="v9", at=0)
+    (tmp_path / "ck" / ".control" / "t" / "requests").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "ck" / ".control" / "t" / "requests" / "calc.json").write_text(old.model_dump_json())
+    ctl.control.submit("calc", PromotionRequest(action="rollback", version="v2", at=1))
+    pending = ctl.control.pending_request("calc")
+    assert pending is not None and pending.version == "v9"
+    ctl.tick()
+    (rec,) = ctl.control.history("calc")
+    assert rec.status == "refused" and "calc@v9 is not deployed" in rec.reason
+    assert not (tmp_path / "ck" / ".control" / "t" / "requests" / "calc.json").exists()
+    ctl.tick()
+    assert cluster.weights() == [("v2", 100)] and ctl.control.pending_request("calc") is None
