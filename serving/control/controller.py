@@ -6,7 +6,8 @@ A promotion of ``model@new`` beside ``model@live`` goes::
     deploying   new at 0 % beside live; wait until its app is RUNNING, then warm it
     stepping    new at steps[i] %, watched for step_seconds (serving.control.watch) and
                 online-evaluated once (a score below the manifest's rolls back, whatever the
-                traffic); pass -> next step; extend/hold -> watched longer (up to
+                traffic, and so does a manifest other than the one the gate checked, the
+                version's pin); pass -> next step; extend/hold -> watched longer (up to
                 max_step_extensions times, then rolled back); rollback -> live alone again
     finishing   new at 100 %, live at 0 % for drain_seconds; then live removed -> promoted
 
@@ -43,6 +44,7 @@ rollback`` keeps such versions at weight 0.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -67,7 +69,7 @@ from serving.control.watch import (
     window,
 )
 from serving.lease import LockLost, StoreLock
-from serving.manifest import Manifest
+from serving.manifest import MANIFEST, Manifest
 from serving.record import ControlStore, LiveEntry, PromotionRecord, PromotionRequest, StepRecord, pin_of
 from serving.registry import CheckpointStore, RegistryError, _natural_key
 
@@ -495,8 +497,11 @@ class Controller:
         oe = policy.online_eval
         if oe.samples == 0:
             return verdict
-        manifest = self.store.manifest(rec.model, rec.version)
+        manifest, raw = self.store.read_manifest(rec.model, rec.version)
         claimed = manifest.eval.value(oe.metric) if manifest.eval else None
+        if rec.manifest_sha256 and hashlib.sha256(raw).hexdigest() != rec.manifest_sha256:
+            why = f"{MANIFEST} of {rec.model}@{rec.version} changed in the store since its gate checked it"
+            return Verdict("rollback", why, {**verdict.figures, "manifest_score": claimed})
         before = self._scrape(rec.model)
         try:
             score = self.lock.hold_while(

@@ -63,9 +63,6 @@ def test_a_promotion_pins_the_manifest_its_gate_checked(tmp_path: Path) -> None:
     assert deployed["calc--v2"]["manifest_sha256"] == pin  # the canary's replicas are held to it
     assert "manifest_sha256" not in deployed["calc--v1"]  # the seed pins nothing: its args are unchanged
 
-    # the store's manifest changes after the gate: the pin does not follow it
-    manifest = tmp_path / "ck" / "calc" / "v2" / "manifest.json"
-    manifest.write_text(manifest.read_text().replace('"exact_match": 0.9', '"exact_match": 0.99'))
     for _ in range(40):
         clock.t += 2
         ctl.tick()
@@ -77,6 +74,27 @@ def test_a_promotion_pins_the_manifest_its_gate_checked(tmp_path: Path) -> None:
     assert all(_specs(c)["calc--v2"]["manifest_sha256"] == pin for c in cluster.configs if "calc--v2" in _specs(c))
     # a restart of the stack (serving up applies the record) keeps it
     assert _specs(with_live(parse_config(_cfg()), ctl.live()))["calc--v2"]["manifest_sha256"] == pin
+
+
+def test_a_manifest_rewritten_during_the_canary_rolls_it_back_at_its_eval(tmp_path: Path) -> None:
+    """The online eval compares with the manifest's claimed score: one rewritten in the store
+    after the gate (here a claim lowered so that any answer passes) is not believed."""
+    (tmp_path / "ck").mkdir()
+    clock = Clock()
+    cluster = Configs(clock)
+    ctl = _controller(tmp_path, _cfg(), clock, cluster)
+    _publish(tmp_path / "ck", "calc", "v2")
+    pin = _sha(tmp_path / "ck" / "calc" / "v2" / "manifest.json")
+    ctl.tick()
+    manifest = tmp_path / "ck" / "calc" / "v2" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"exact_match": 0.9', '"exact_match": 0.1'))
+    for _ in range(20):
+        clock.t += 2
+        ctl.tick()
+    (rec,) = ctl.control.history("calc")
+    assert rec.status == "rolled_back" and rec.manifest_sha256 == pin
+    assert "manifest.json of calc@v2 changed in the store since its gate checked it" in rec.reason
+    assert cluster.weights() == [("v1", 100)]
 
 
 def test_a_pin_is_kept_through_later_weights_and_the_record_wins_over_the_yaml(tmp_path: Path) -> None:
