@@ -11,6 +11,7 @@ API its answers follow the new data at the manifest's score while v1's do not.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -220,12 +221,31 @@ def _promoted_with_a_kill_mid_canary(stack: Stack, store: Path) -> None:
     assert rec["status"] == "promoted", _promotions(stack)
     phases = [s["phase"] for s in rec["steps"]]  # type: ignore[attr-defined]
     assert "resume" in phases and phases[-1] == "promoted", phases
-    manifest = json.loads((store / "store" / "arith" / "v2" / "manifest.json").read_text())
+    manifest_file = store / "store" / "arith" / "v2" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
     assert (manifest["base"]["source"], manifest["base"]["ref"]) == ("store", "arith@v1")
+    _pinned_to(stack, "v2", hashlib.sha256(manifest_file.read_bytes()).hexdigest())
     v2_score = manifest["eval"]["metrics"]["exact_match"]
     assert _exact_max(stack.url, "arith") >= v2_score - 0.05, manifest["eval"]
     ids = {m["id"] for m in httpx.get(f"{stack.url}/v1/models").json()["data"]}
     assert ids == {"arith", "arith@v2"}
+
+
+def _pinned_to(stack: Stack, version: str, pin: str) -> None:
+    """The promoted version is pinned to the manifest its gate checked: in the record, in
+    ``live.json`` and in the args its replicas run with (Serve's deployed config)."""
+    from serving.config import load_config
+    from serving.control.stack import StackState, serve_status
+    from serving.record import ControlStore
+
+    cfg = load_config(stack.config)
+    assert _history(stack)[-1]["manifest_sha256"] == pin
+    control = ControlStore(cfg.checkpoint_root, cfg.name)
+    assert [(v.version, v.manifest_sha256) for v in control.live()["arith"]] == [(version, pin)]
+    state = StackState.load(cfg.name)
+    assert state is not None
+    app = serve_status(state)["applications"][f"arith--{version}"]
+    assert app["deployed_app_config"]["args"]["spec"]["manifest_sha256"] == pin
 
 
 def _metrics_show_the_outcome() -> None:
