@@ -238,12 +238,14 @@ def test_two_adapters_promoted_at_once_under_load_each_end_where_they_should(
                     client.post(f"{stack.url}/v1/completions", json=body, headers=stack.headers()).json()["model"]
                 ] += 1
     assert after == Counter({f"sub-lora@{version}": 3, "max-lora@v1": 3}), after
-    _admin_endpoint_tells_both_outcomes(stack, version)
+    manifest = s3_client(s3_stack_env).get_object(Bucket=BUCKET, Key=f"store/sub-lora/{version}/manifest.json")
+    _admin_endpoint_tells_both_outcomes(stack, version, hashlib.sha256(manifest["Body"].read()).hexdigest())
 
 
-def _admin_endpoint_tells_both_outcomes(stack: Stack, version: str) -> None:
+def _admin_endpoint_tells_both_outcomes(stack: Stack, version: str, pin: str) -> None:
     """``GET /admin/promotions`` on the gateway replicas reads the record the controller wrote to
-    the S3 store: the admin key reads it, a tenant's key gets 403, none 401."""
+    the S3 store: the admin key reads it, a tenant's key gets 403, none 401. The promoted version
+    is pinned to the manifest its gate checked (``pin``)."""
     with httpx.Client(timeout=60) as client:
         url = f"{stack.url}/admin/promotions"
         assert client.get(url).status_code == 401
@@ -252,7 +254,8 @@ def _admin_endpoint_tells_both_outcomes(stack: Stack, version: str) -> None:
         everything = client.get(url, headers=stack.headers("admin"))
         assert everything.status_code == 200, everything.text
         by_model = {m["model"]: m for m in everything.json()["data"]}
-        assert {"live": [{"version": version, "weight": 100}]}.items() <= by_model["sub-lora"].items()
+        live = [{"version": version, "weight": 100, "manifest_sha256": pin}]
+        assert by_model["sub-lora"]["live"] == live, by_model["sub-lora"]
         assert by_model["sub-lora"]["history"][0]["status"] == "promoted"
         rolled = client.get(f"{url}/max-lora", headers=stack.headers("admin")).json()
         assert rolled["live"] == [{"version": "v1", "weight": 100}] and rolled["active"] is None, rolled
