@@ -8,6 +8,7 @@ engine were continued on the other replica. The gateways count it in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -123,12 +124,21 @@ def test_streams_on_a_killed_engine_continue_on_the_other_replica(stack: Stack) 
             tasks = [asyncio.create_task(client(i)) for i in range(CLIENTS)]
             while min(seen) < 8:  # every client's first stream is under way
                 await asyncio.sleep(0.01)
-            async with httpx.AsyncClient(timeout=10) as probe:
-                running = await asyncio.gather(*(_running(probe, url, token) for _, _, url, token in engines))
-            assert max(running) > 0, f"no adder engine runs a stream: {running}"
-            victim, core, _, _ = engines[running.index(max(running))]
-            killed.append(victim)
-            os.kill(core, signal.SIGKILL)
+            # Both engines are held where they are while their API servers are asked what they
+            # run: a short stream of the tiny model can end within one /metrics scrape.
+            for _, core, _, _ in engines:
+                os.kill(core, signal.SIGSTOP)
+            try:
+                async with httpx.AsyncClient(timeout=10) as probe:
+                    running = await asyncio.gather(*(_running(probe, url, token) for _, _, url, token in engines))
+                assert max(running) > 0, f"no adder engine runs a stream: {running}"
+                victim, core, _, _ = engines[running.index(max(running))]
+                killed.append(victim)
+                os.kill(core, signal.SIGKILL)
+            finally:
+                for _, core, _, _ in engines:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(core, signal.SIGCONT)
             return reference, [r for rs in await asyncio.gather(*tasks) for r in rs]
 
     reference, results = asyncio.run(run())
