@@ -6,12 +6,23 @@ when it publishes a version and checks every file against it before a version is
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-__all__ = ["MANIFEST", "Adapter", "BaseRef", "DataRef", "Evaluation", "Manifest", "TrainingRun", "check_file_name"]
+__all__ = [
+    "MANIFEST",
+    "Adapter",
+    "BaseRef",
+    "DataRef",
+    "Evaluation",
+    "Manifest",
+    "TrainingRun",
+    "check_file_name",
+    "manifest_sha256",
+]
 
 MANIFEST: Final = "manifest.json"
 
@@ -127,3 +138,8 @@ def check_file_name(name: str) -> str:
             f"(no '..', '.' or empty segment, no leading '/', no backslash, not {MANIFEST})"
         )
     return name
+
+
+def manifest_sha256(raw: bytes) -> str:
+    """A manifest's identity: the sha256 of its exact bytes (a version's pin, a node cache's key)."""
+    return hashlib.sha256(raw).hexdigest()

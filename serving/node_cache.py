@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from serving import registry
-from serving.manifest import MANIFEST, Manifest, check_file_name
+from serving.manifest import MANIFEST, Manifest, check_file_name, manifest_sha256
 from serving.registry import TMP_PREFIX, CheckpointStore, TamperedVersion, check_files
 
 __all__ = ["CACHE_ENV", "Resolved", "VerifiedCache", "default_cache_dir", "split_version_uri"]
@@ -157,14 +157,8 @@ class VerifiedCache:
         verified.
         """
         started = time.monotonic()
-        manifest, raw = store.read_manifest(model, version)
-        digest = hashlib.sha256(raw).hexdigest()
-        if pin is not None and digest != pin:
-            raise _refuse(
-                manifest,
-                f"{MANIFEST} has sha256 {digest[:16]}..., not the {pin[:16]}... pinned for this version "
-                "(it was replaced after it was checked)",
-            )
+        manifest, raw = store.read_manifest(model, version, pin)
+        digest = manifest_sha256(raw)
         source = store.uri(model, version)
         slot = self.dir / model / version / f"{hashlib.sha256(source.encode()).hexdigest()[:12]}-{digest[:16]}"
         marker = slot.parent / f"{slot.name}.verified.json"

@@ -41,7 +41,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serving.manifest import MANIFEST, Manifest
+from serving.manifest import MANIFEST, Manifest, manifest_sha256
 
 __all__ = [
     "BelowEvalGate",
@@ -303,8 +303,10 @@ class CheckpointStore:
         """The parsed manifest; raises :class:`VersionNotFound` or :class:`IncompleteVersion`."""
         return self.read_manifest(model, version)[0]
 
-    def read_manifest(self, model: str, version: str) -> tuple[Manifest, bytes]:
+    def read_manifest(self, model: str, version: str, pin: str | None = None) -> tuple[Manifest, bytes]:
         """The parsed manifest and its exact bytes (whose sha256 keys a node's verified copy).
+        With ``pin``, a manifest whose bytes hash to anything else is refused
+        (:class:`TamperedVersion`): the version was replaced after it was checked.
 
         The filesystem's listing cache is dropped first: s3fs keeps directory listings for the
         life of its (shared) instance, and a stale listing would hide a deleted or added file.
@@ -327,6 +329,12 @@ class CheckpointStore:
                 f"{model}@{version}: {MANIFEST} describes {manifest.model}@{manifest.version}",
                 **ids,
             )
+        if pin is not None and (digest := manifest_sha256(raw)) != pin:
+            raise TamperedVersion(
+                f"{model}@{version}: {MANIFEST} has sha256 {digest[:16]}..., not the {pin[:16]}... pinned for this "
+                "version (it was replaced after it was checked)",
+                **ids,
+            )
         return manifest, raw
 
     def _remote_files(self, path: str) -> Iterator[str]:
@@ -345,7 +353,7 @@ class CheckpointStore:
         check_files(manifest, set(self._remote_files(path)), self._remote_hash(path))
         if gate is not None:
             gate.check(manifest)
-        return manifest, hashlib.sha256(raw).hexdigest()
+        return manifest, manifest_sha256(raw)
 
     def _remote_hash(self, base: str) -> Callable[[str], str]:
         def digest(rel: str) -> str:

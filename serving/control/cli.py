@@ -6,7 +6,6 @@ Every command reads the same stack config file (``--config``, default ``deployme
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from rich.console import Console
 
 from serving.config import ConfigError, ModelConfig, StackConfig, load_config
 from serving.control.serve_config import build_serve_config
+from serving.manifest import manifest_sha256
 from serving.replica.engine import OFFLINE_ENV
 
 if TYPE_CHECKING:
@@ -269,8 +269,7 @@ def versions(model: str = typer.Argument(...), config: Path = ConfigOpt) -> None
         man, raw = store.read_manifest(model, v)
         base = f"{man.base.source}:{man.base.ref}" if man.base else "-"
         scores = " ".join(f"{k}={x:.3f}" for k, x in sorted(man.eval.metrics.items())) if man.eval else "no eval"
-        pin = hashlib.sha256(raw).hexdigest()
-        print(f"{v:10} base={base} {scores} traffic={live.get(v, 0)}% manifest_sha256={pin}")
+        print(f"{v:10} base={base} {scores} traffic={live.get(v, 0)}% manifest_sha256={manifest_sha256(raw)}")
 
 
 @app.command("import")
@@ -297,7 +296,7 @@ def import_(
         f"imported {model}@{version} ({manifest.architecture or 'unknown architecture'}, "
         f"{len(manifest.files)} files, {size / 1e6:.1f} MB) into {store.uri(model, version)}"
     )
-    print(f"manifest_sha256: {hashlib.sha256(store.read_manifest(model, version)[1]).hexdigest()}")
+    print(f"manifest_sha256: {manifest_sha256(store.read_manifest(model, version)[1])}")
 
 
 @app.command("render-k8s")

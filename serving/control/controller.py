@@ -44,7 +44,6 @@ rollback`` keeps such versions at weight 0.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -69,7 +68,7 @@ from serving.control.watch import (
     window,
 )
 from serving.lease import LockLost, StoreLock
-from serving.manifest import MANIFEST, Manifest
+from serving.manifest import MANIFEST, Manifest, manifest_sha256
 from serving.record import ControlStore, LiveEntry, PromotionRecord, PromotionRequest, StepRecord, pin_of
 from serving.registry import CheckpointStore, RegistryError, _natural_key
 
@@ -499,7 +498,7 @@ class Controller:
             return verdict
         manifest, raw = self.store.read_manifest(rec.model, rec.version)
         claimed = manifest.eval.value(oe.metric) if manifest.eval else None
-        if rec.manifest_sha256 and hashlib.sha256(raw).hexdigest() != rec.manifest_sha256:
+        if rec.manifest_sha256 and manifest_sha256(raw) != rec.manifest_sha256:
             why = f"{MANIFEST} of {rec.model}@{rec.version} changed in the store since its gate checked it"
             return Verdict("rollback", why, {**verdict.figures, "manifest_score": claimed})
         before = self._scrape(rec.model)

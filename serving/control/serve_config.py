@@ -13,7 +13,7 @@ base version it was trained on, which list it in their own ``user_config`` (also
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,22 +175,24 @@ def adapter_sources(
     cfg: StackConfig, m: ModelConfig, v: ModelVersion, base: Path | None, bases: Bases
 ) -> dict[str, str]:
     """The adapter versions the replicas of base ``m@v`` may register: ``name@version`` -> store path."""
-    return {
-        f"{a.name}@{av.version}": cfg.version_path(a, av, base)
-        for a in cfg.adapters_of(m)
-        for av in a.versions
-        if bases.get((a.name, av.version)) == v.version
-    }
+    return {f"{a.name}@{av.version}": cfg.version_path(a, av, base) for a, av in _adapters_on(cfg, m, v, bases)}
 
 
 def adapter_pins(cfg: StackConfig, m: ModelConfig, v: ModelVersion, bases: Bases) -> dict[str, str]:
     """The manifest pins of :func:`adapter_sources`' versions that have one: ``name@version`` -> sha256."""
     return {
-        f"{a.name}@{av.version}": av.manifest_sha256
-        for a in cfg.adapters_of(m)
-        for av in a.versions
-        if bases.get((a.name, av.version)) == v.version and av.manifest_sha256
+        f"{a.name}@{av.version}": av.manifest_sha256 for a, av in _adapters_on(cfg, m, v, bases) if av.manifest_sha256
     }
+
+
+def _adapters_on(
+    cfg: StackConfig, m: ModelConfig, v: ModelVersion, bases: Bases
+) -> Iterator[tuple[ModelConfig, ModelVersion]]:
+    """Each adapter version whose base version is ``m@v``."""
+    for a in cfg.adapters_of(m):
+        for av in a.versions:
+            if bases.get((a.name, av.version)) == v.version:
+                yield a, av
 
 
 def _placement(m: ModelConfig) -> dict[str, Any]:
