@@ -19,7 +19,6 @@ job with that exception on one line, like every other error.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -33,8 +32,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from serving.registry import CheckpointStore, RegistryError, architecture_of, check_name
-from training.bases import BaseError, ResolvedBase, is_store_ref, parameter_count, resolve_base
+from serving.registry import CheckpointStore, RegistryError, architecture_of
+from training.arguments import (
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_WORKERS,
+    TrainingError,
+    check_args,
+    hyperparameters,
+    parser,
+)
+from training.bases import BaseError, ResolvedBase, is_store_ref, resolve_base
 from training.encode import EncodeError
 from training.jsonl import DataError, Dataset, resolve_data
 from training.lora import LoraOptions, check_targets
@@ -42,25 +49,9 @@ from training.ray_runtime import PrivateRayRefused, init_ray, run_trainer
 from training.run_dir import RunConflict, claim_run_dir, what_is_left
 from training.run_lock import RunLocked, run_lock
 
-__all__ = [
-    "DEFAULT_CHECKPOINT_EVERY",
-    "METHODS",
-    "TrainingError",
-    "default_hyperparameters",
-    "failure_message",
-    "main",
-    "parser",
-    "train",
-]
+__all__ = ["TrainingError", "failure_message", "main", "train"]
 
-DEFAULT_CHECKPOINT_EVERY = 200
-METHODS = ("full", "lora")
-DEFAULT_WORKERS = 2
 CACHE_DIR = Path(os.environ.get("RAYSTACK_CACHE", Path.home() / ".cache" / "raystack"))
-
-
-class TrainingError(RuntimeError):
-    """The job cannot start or finish (bad arguments, a run directory from other arguments...)."""
 
 
 def code_revision() -> str:
@@ -77,30 +68,6 @@ def code_revision() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return out.stdout.strip() or "unknown"
-
-
-def default_hyperparameters(base: ResolvedBase, rows: int, lora: bool = False) -> dict[str, Any]:
-    """Defaults that train the project's tiny bases from scratch and stay sane for a real base.
-
-    From scratch (``init:``) a high one-cycle peak learns a small model fast; a pretrained base
-    takes a smaller step so a fine-tune does not wipe what it knows (3e-3 below ~10M parameters,
-    1e-4 below ~100M, 2e-5 above), with about three passes over the data, within bounds. A LoRA
-    adapter starts at zero and cannot wipe the base, so it takes the usual larger adapter step
-    (3e-3 on a tiny base, 2e-4 on a real one). A base whose size its files do not tell
-    (:func:`training.bases.parameter_count`) gets the largest base's defaults.
-    """
-    if base.is_init:
-        return {"steps": 1500, "batch_size": 128, "lr": 3e-3, "warmup": 0.1, "weight_decay": 0.01}
-    count = parameter_count(base.directory)
-    params = math.inf if count is None else count
-    # a few-million-parameter base (the project's own) needs a large step to learn a new task in a
-    # few hundred steps; real pretrained bases get the usual small ones
-    lr = 3e-3 if params < 10_000_000 else 1e-4 if params < 100_000_000 else 2e-5
-    if lora:
-        lr = 3e-3 if params < 10_000_000 else 2e-4
-    batch = 128 if params < 10_000_000 else 16  # a tiny base's step costs little; more rows a step
-    steps = min(2000, max(20, math.ceil(3 * rows / batch)))
-    return {"steps": steps, "batch_size": batch, "lr": lr, "warmup": 0.05, "weight_decay": 0.0}
 
 
 def _encode(base: ResolvedBase, train_set: Dataset, eval_set: Dataset) -> dict[str, Any]:
@@ -131,25 +98,6 @@ def _corpus(train_set: Dataset) -> list[dict[str, Any]]:
     ]
 
 
-def _check_args(model: str, version: str, method: str, opts: Mapping[str, Any]) -> None:
-    """Refuse arguments the workers would fail on (or silently bend), before anything is claimed."""
-    check_name("model", model)
-    check_name("version", version)
-    if method not in METHODS:
-        raise TrainingError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
-    for key in ("workers", "steps", "checkpoint_every", "batch_size", "threads"):
-        if opts[key] is not None and opts[key] < 1:
-            raise TrainingError(f"--{key.replace('_', '-')} must be >= 1, got {opts[key]}")
-    lr = opts["lr"]
-    if lr is not None and not (math.isfinite(lr) and lr > 0):
-        raise TrainingError(f"--lr must be a finite number > 0, got {lr}")
-    if opts["batch_size"] is not None and opts["batch_size"] < opts["workers"]:
-        raise TrainingError(
-            f"--batch-size {opts['batch_size']} is smaller than --workers {opts['workers']}: every rank "
-            "needs at least one row a step"
-        )
-
-
 def _check_finite(label: str, outcome: Mapping[str, Any], run_uri: str) -> None:
     """Refuse to publish a run that diverged: its loss or an eval metric is not a finite number."""
     values = {"final training loss": outcome["final_loss"]}
@@ -161,18 +109,6 @@ def _check_finite(label: str, outcome: Mapping[str, Any], run_uri: str) -> None:
             f"a lower --lr may help); its run directory {run_uri} is kept for inspection: delete it "
             f"before training {label} again"
         )
-
-
-def _hyperparameters(base: ResolvedBase, rows: int, opts: Mapping[str, Any]) -> dict[str, Any]:
-    """The defaults for ``base``, overridden by the ones given; a default batch must suit the ranks."""
-    hyper = default_hyperparameters(base, rows, lora=opts["lora"] is not None)
-    hyper |= {k: opts[k] for k in ("steps", "batch_size", "lr") if opts[k] is not None}
-    if hyper["batch_size"] < opts["workers"]:
-        raise TrainingError(
-            f"the default batch size {hyper['batch_size']} is smaller than --workers {opts['workers']}: "
-            f"pass --batch-size {opts['workers']} or more"
-        )
-    return hyper
 
 
 def train(
@@ -212,7 +148,7 @@ def train(
         "threads": threads,
         "checkpoint_every": checkpoint_every,
     }
-    _check_args(model, version, method, opts)
+    check_args(model, version, method, opts)
     if method == "lora" and not is_store_ref(base):
         raise TrainingError(
             f"--method lora needs a base from the checkpoint store (model@version), not {base!r}: "
@@ -272,7 +208,7 @@ def _train(
     if lora is not None:
         check_targets(base.directory, lora)
     encoded = _encode(base, train_set, eval_set)
-    hyper = _hyperparameters(base, len(encoded["rows"]), opts)
+    hyper = hyperparameters(base, len(encoded["rows"]), opts)
     job = {"model": model, "version": version, "base": base.ref.model_dump(), "method": method, "seed": seed}
     job |= {"data": train_set.ref.sha256, "eval": eval_set.ref.sha256, **hyper}
     if lora is not None:
@@ -374,39 +310,6 @@ def failure_message(label: str, exc: BaseException) -> str:
         cause, where = getattr(exc, "controller_failure", None) or exc, "the Ray Train controller"
     text = " ".join(str(cause).split())
     return f"{label}: training failed on {where}: {type(cause).__name__}: {text}"
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m training.train",
-        fromfile_prefix_chars="@",  # @FILE: more arguments, one a line (serving up passes URIs so)
-        description="Fine-tune a causal LM on JSONL data (Ray Train, DDP) and publish "
-        "<root>/<model>/<version>/ with a manifest.",
-    )
-    p.add_argument("--model", required=True, help="model name (a directory under --root)")
-    p.add_argument("--version", required=True, help="new, immutable version name")
-    p.add_argument("--base", required=True, help="init:<family>-<size>, model@version, folder, URI or hub id")
-    p.add_argument("--data", required=True, help="training JSONL (path or URI) or builtin:<task>")
-    p.add_argument("--eval", default=None, help="eval JSONL; default: builtin eval, or a seeded 5%% holdout")
-    p.add_argument("--method", default="full", choices=METHODS, help="full weights, or a LoRA adapter (peft)")
-    p.add_argument("--root", required=True, help="checkpoint store: local path or fsspec URI")
-    p.add_argument("--steps", type=int, default=None, help="default: depends on the base and the data")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate")
-    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="DDP ranks (Ray Train workers)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores/ranks)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY)
-    p.add_argument("--keep-run", action="store_true", help="keep Ray Train state after publishing")
-    lora = p.add_argument_group("LoRA (--method lora)")
-    lora.add_argument("--lora-rank", type=int, default=LoraOptions.rank, help="adapter rank r")
-    lora.add_argument("--lora-alpha", type=int, default=LoraOptions.alpha, help="scaling alpha")
-    lora.add_argument(
-        "--lora-targets",
-        default=",".join(LoraOptions.target_modules),
-        help="comma-separated module names to adapt (the attention and MLP projections by default)",
-    )
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,10 +15,11 @@ import pytest
 
 from serving.manifest import BaseRef, Evaluation, Manifest
 from serving.registry import BelowEvalGate, CheckpointStore, Gate
+from training.arguments import default_hyperparameters
 from training.bases import ResolvedBase
 from training.evaluate import metrics_from_sums
 from training.lora import LoraOptions, check_targets
-from training.train import TrainingError, default_hyperparameters, failure_message, main, train
+from training.train import TrainingError, failure_message, main, train
 
 ROWS = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(20)]
 TINY_LLAMA = {
