@@ -4,7 +4,7 @@ Forms, tried in this order (the first that applies wins)::
 
     init:<family>-<size>      freshly initialised by training.families (tokenizer learnt on the data)
     <scheme>://...            an fsspec URI of a folder, downloaded to a temporary directory (recorded
-                              without user info or query string: serving.registry.redact_uri)
+                              without user info or query string: serving.redact.redact_uri)
     an existing local path    a Hugging Face folder (config.json + weights + tokenizer)
     <model>@<version>         a version of the checkpoint store, hash-verified first
     hub:<id> or <org>/<name>  a Hugging Face hub id (snapshot_download)
@@ -32,7 +32,8 @@ import fsspec
 
 from serving.manifest import BaseRef
 from serving.node_cache import VerifiedCache
-from serving.registry import CheckpointStore, redact_uri
+from serving.redact import redact_uri
+from serving.registry import CheckpointStore
 
 __all__ = ["BaseError", "ResolvedBase", "is_store_ref", "parameter_count", "resolve_base"]
 

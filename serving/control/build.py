@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from serving.config import ModelConfig, ModelVersion, StackConfig
-from serving.registry import redact_uri
+from serving.redact import redact_uri
 from serving.replica.engine import check_layout
 
 __all__ = ["check_version_layout", "ensure_models", "only_models", "servable"]

@@ -6,7 +6,7 @@ published like a trained version (:meth:`CheckpointStore.publish`: sha256 and si
 ``architecture`` from ``config.json``, the manifest last), with ``base`` saying where it came from
 and no ``eval``. Hidden entries (``.git``, ``.cache``) are left out. A version that exists is
 refused before anything is downloaded: versions are immutable. A URI is logged, recorded as
-``base.ref`` and quoted in errors in :func:`serving.registry.redact_uri`'s form: no
+``base.ref`` and quoted in errors in :func:`serving.redact.redact_uri`'s form: no
 ``user:password@``, no query string (a presigned URL's signature, a SAS token).
 
 A symlink in the folder is imported as the file it points to when that file is inside the folder,
@@ -29,7 +29,8 @@ from typing import Literal
 import fsspec
 
 from serving.manifest import Manifest
-from serving.registry import CheckpointStore, VersionExists, check_name, redact_uri
+from serving.redact import redact_uri
+from serving.registry import CheckpointStore, VersionExists, check_name
 
 __all__ = ["ImportFailed", "import_model", "source_kind", "source_ref"]
 
@@ -154,5 +155,5 @@ def import_model(
 def source_ref(source: str, kind: Literal["folder", "uri", "hub"]) -> str:
     """Where a version came from, as its manifest records it (``base.ref``) and the import's log
     lines and errors name it: a folder's absolute path, a URI without its user info and query
-    string (:func:`serving.registry.redact_uri`), a hub id as it is."""
+    string (:func:`serving.redact.redact_uri`), a hub id as it is."""
     return str(Path(source).resolve()) if kind == "folder" else redact_uri(source)

@@ -11,7 +11,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from serving.registry import redact_uri
+from serving.redact import redact_uri
 from training.jsonl import DataError, holdout, load_jsonl, resolve_data
 
 
