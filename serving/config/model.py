@@ -237,7 +237,8 @@ class PromotionPolicy(Strict):
     max_step_extensions: int = Field(
         3,
         ge=0,
-        description="A step short of min_requests (or overloaded) is extended this many times, then rolled back.",
+        description="A step short of min_requests, overloaded, or with a node whose metrics were not read at both "
+        "ends of its window is extended this many times, then rolled back.",
     )
     max_error_rate_increase: float = Field(0.02, ge=0, le=1, description="New error rate allowed above the live one.")
     max_ttft_ratio: float = Field(2.0, gt=1, description="New TTFT percentile allowed, times the live one's...")

@@ -39,6 +39,7 @@ from serving.control.watch import (
     scrape_from_json,
     scrape_json,
     shift,
+    unseen,
     window,
 )
 from serving.lease import LockLost, StoreLock
@@ -183,11 +184,11 @@ class PromotionSteps:
     def _stepping(self, rec: PromotionRecord, policy: PromotionPolicy) -> None:
         if self.clock() - rec.step_started_at < policy.step_seconds * (1 + rec.extensions):
             return
-        window = self._window(rec, "start")
-        base = rec.baseline.get("live_window")
+        now, start = self._scrape(rec.model), scrape_from_json(rec.baseline.get("start", {}))
+        stats, base = window(now, start), rec.baseline.get("live_window")
         verdict = judge(
-            window.get(rec.previous, VersionStats()),
-            window.get(rec.version, VersionStats()),
+            stats.get(rec.previous, VersionStats()),
+            stats.get(rec.version, VersionStats()),
             VersionStats.from_json(base) if base else None,
             policy,
         )
@@ -197,7 +198,25 @@ class PromotionSteps:
             evaluated = self._online_eval(rec, policy, verdict)
             if evaluated.action == "rollback" or verdict.action == "pass":
                 verdict = evaluated
+        missing = unseen(now, start)
+        if missing and verdict.action != "rollback":
+            return self._rewatch(rec, policy, missing, verdict.figures)
         self._decide(rec, policy, verdict)
+        return None
+
+    def _rewatch(self, rec: PromotionRecord, policy: PromotionPolicy, missing: list[str], fig: dict[str, Any]) -> None:
+        """A window some node's part of which is unknown passes nothing: the step is watched again
+        from a fresh scrape (an extension; past ``max_step_extensions`` it rolls back)."""
+        weight = policy.steps[rec.step_index]
+        shown = ", ".join(n[:16] for n in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        why = f"metrics of node {shown} not read at both ends of the window"
+        fig = {**fig, "unread_nodes": len(missing)}
+        if rec.extensions >= policy.max_step_extensions:
+            return self._rollback(rec, f"at {weight}%: {why}, after {rec.extensions} extensions", fig=fig)
+        rec.extensions += 1
+        rec.step_started_at = self.clock()
+        rec.baseline["start"] = self._snapshot(rec.model)
+        return self._step(rec, "extend", {}, fig, f"at {weight}%: {why}; watched again from now")
 
     def _exclude_probes(self, rec: PromotionRecord, before: Scrape) -> None:
         """Shift the step's baseline by what the metrics counted since ``before`` (the eval's own

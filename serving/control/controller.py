@@ -60,7 +60,7 @@ class Applier(Protocol):
 
     def app_status(self, app: str) -> tuple[str, str]: ...  # (status, message)
 
-    def metrics_by_node(self) -> dict[str, str]: ...  # node id -> Prometheus text; a node not read is absent
+    def metrics_by_node(self) -> Mapping[str, str | None]: ...  # node id -> Prometheus text, None if not read
 
 
 class Prober(Protocol):

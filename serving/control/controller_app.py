@@ -74,21 +74,23 @@ class ServeApplier:
         status = details.get("status")
         return str(getattr(status, "value", status)), "\n".join(m for m in messages if m)
 
-    def metrics_by_node(self) -> dict[str, str]:
+    def metrics_by_node(self) -> dict[str, str | None]:
         import ray
 
-        texts = {}
+        texts: dict[str, str | None] = {}
         for node in ray.nodes():
             if not node.get("Alive") or not node.get("MetricsExportPort"):
                 continue
             url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            key = str(node.get("NodeID") or url)
             try:
                 r = httpx.get(url, timeout=10)
                 r.raise_for_status()
-            except httpx.HTTPError as exc:  # a node that does not answer is left out of this window
+            except httpx.HTTPError as exc:  # a window with a node not read at both ends passes nothing
                 logger.warning("metrics of %s not read: %s", url, exc)
+                texts[key] = None
                 continue
-            texts[str(node.get("NodeID") or url)] = r.text
+            texts[key] = r.text
         return texts
 
 

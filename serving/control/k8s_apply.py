@@ -101,6 +101,6 @@ class RayServiceApplier:
         status: tuple[str, str] = self.local.app_status(app)
         return status
 
-    def metrics_by_node(self) -> dict[str, str]:
-        texts: dict[str, str] = self.local.metrics_by_node()
+    def metrics_by_node(self) -> dict[str, str | None]:
+        texts: dict[str, str | None] = self.local.metrics_by_node()
         return texts

@@ -3,9 +3,11 @@
 Figures come from the gateway's own Prometheus metrics (``raystack_requests_total`` by status
 class and the ``raystack_time_to_first_token_seconds`` histogram, per model and version, summed
 over tenants and gateway replicas). A window is the difference of two scrapes, taken node by
-node (each node's Ray metrics agent is read on its own): a node whose scrape failed at either end
-is left out of that window, since its part of it is unknown (counting its totals since it started
-would put traffic from before the window into it). Percentiles are read from the histogram
+node (each node's Ray metrics agent is read on its own). A node whose scrape failed at either end,
+or that was up at only one of them, is left out of the window's totals, since its part of it is
+unknown (counting its totals since it started would put traffic from before the window into it),
+and :func:`unseen` names it: a window with such a node never passes a step (the controller
+watches the step again from a fresh scrape, serving.control.canary). Percentiles are read from the histogram
 buckets (linear within a bucket, as Prometheus' ``histogram_quantile``).
 
 The verdicts, in order:
@@ -24,13 +26,25 @@ The verdicts, in order:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serving.config import PromotionPolicy
 from serving.metrics import samples
 
-__all__ = ["Scrape", "Verdict", "VersionStats", "judge", "parse_stats", "percentile", "scrape", "shift", "window"]
+__all__ = [
+    "Scrape",
+    "Verdict",
+    "VersionStats",
+    "judge",
+    "parse_stats",
+    "percentile",
+    "scrape",
+    "shift",
+    "unseen",
+    "window",
+]
 
 
 @dataclass
@@ -84,24 +98,37 @@ def parse_stats(text: str, model: str) -> dict[str, VersionStats]:
     return out
 
 
-Scrape = dict[str, dict[str, VersionStats]]  # node -> version -> totals
+@dataclass(frozen=True)
+class Scrape:
+    """One read of every node's metrics: per node, per version, the totals; ``unread``: the nodes
+    that were up but whose metrics could not be read."""
+
+    nodes: dict[str, dict[str, VersionStats]] = field(default_factory=dict)
+    unread: frozenset[str] = frozenset()
+
+    @property
+    def listed(self) -> set[str]:
+        return set(self.nodes) | self.unread
 
 
-def scrape(texts: dict[str, str], model: str) -> Scrape:
-    """:func:`parse_stats` of each node's exposition (node id -> text; a node not read is absent)."""
-    return {node: parse_stats(text, model) for node, text in texts.items()}
+def scrape(texts: Mapping[str, str | None], model: str) -> Scrape:
+    """:func:`parse_stats` of each node's exposition (node id -> text, None for a node not read)."""
+    read = {node: parse_stats(text, model) for node, text in texts.items() if text is not None}
+    return Scrape(read, frozenset(node for node, text in texts.items() if text is None))
 
 
 def scrape_json(s: Scrape) -> dict[str, Any]:
-    return {"nodes": {node: {v: st.to_json() for v, st in versions.items()} for node, versions in s.items()}}
+    nodes = {node: {v: st.to_json() for v, st in versions.items()} for node, versions in s.nodes.items()}
+    return {"nodes": nodes, "unread": sorted(s.unread)}
 
 
 def scrape_from_json(d: dict[str, Any]) -> Scrape:
     """A scrape saved in a promotion record; one in another form reads as no node (nothing counted)."""
-    nodes = d.get("nodes")
+    nodes, unread = d.get("nodes"), d.get("unread")
     if not isinstance(nodes, dict):
-        return {}
-    return {n: {v: VersionStats.from_json(st) for v, st in vs.items()} for n, vs in nodes.items()}
+        return Scrape()
+    read = {n: {v: VersionStats.from_json(st) for v, st in vs.items()} for n, vs in nodes.items()}
+    return Scrape(read, frozenset(str(n) for n in unread) if isinstance(unread, list) else frozenset())
 
 
 def _add(total: VersionStats, s: VersionStats) -> None:
@@ -115,21 +142,26 @@ def _add(total: VersionStats, s: VersionStats) -> None:
 def window(now: Scrape, before: Scrape) -> dict[str, VersionStats]:
     """Per version, what the nodes read at both ends counted in between (module docstring)."""
     total: dict[str, VersionStats] = {}
-    for node in now.keys() & before.keys():
-        for v, s in now[node].items():
-            _add(total.setdefault(v, VersionStats()), s.minus(before[node].get(v, VersionStats())))
+    for node in now.nodes.keys() & before.nodes.keys():
+        for v, s in now.nodes[node].items():
+            _add(total.setdefault(v, VersionStats()), s.minus(before.nodes[node].get(v, VersionStats())))
     return total
+
+
+def unseen(now: Scrape, before: Scrape) -> list[str]:
+    """The nodes whose part of the window is unknown: not read at one end, or up at only one."""
+    return sorted((now.listed | before.listed) - (now.nodes.keys() & before.nodes.keys()))
 
 
 def shift(start: Scrape, before: Scrape, after: Scrape) -> Scrape:
     """The baseline ``start`` moved by what was counted between ``before`` and ``after`` (the
     controller's own requests), node by node, so a window from it leaves those out. A node not
-    read at all three is dropped: its part of the window is unknown."""
-    out: Scrape = {}
-    for node in start.keys() & before.keys() & after.keys():
-        until = {v: s.minus(start[node].get(v, VersionStats())) for v, s in before[node].items()}
-        out[node] = {v: s.minus(until.get(v, VersionStats())) for v, s in after[node].items()}
-    return out
+    read at all three is marked unread: its part of the window is unknown."""
+    out: dict[str, dict[str, VersionStats]] = {}
+    for node in start.nodes.keys() & before.nodes.keys() & after.nodes.keys():
+        until = {v: s.minus(start.nodes[node].get(v, VersionStats())) for v, s in before.nodes[node].items()}
+        out[node] = {v: s.minus(until.get(v, VersionStats())) for v, s in after.nodes[node].items()}
+    return Scrape(out, frozenset((start.listed | before.listed | after.listed) - out.keys()))
 
 
 def percentile(s: VersionStats, q: float) -> float | None:
