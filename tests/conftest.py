@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.phases import PHASES, phase
 from tests.support.s3 import S3Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,11 +73,21 @@ def running_stack(config: Path, env: dict[str, str] | None = None, reuse: bool =
 
     try:
         if not reuse:
-            run("up", timeout=2400)
+            with phase(f"serving up ({cfg.name})"):
+                run("up", timeout=2400)
         yield Stack(f"http://{cfg.gateway.host}:{cfg.gateway.port}", config, {})
     finally:
         if not reuse:
-            run("down", timeout=300)
+            with phase(f"serving down ({cfg.name})"):
+                run("down", timeout=300)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The set-up steps' times (tests/support/phases.py), after ``--durations``."""
+    if PHASES:
+        terminalreporter.write_sep("=", "set-up steps")
+        for what, seconds in PHASES:
+            terminalreporter.write_line(f"{seconds:8.1f}s  {what}")
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from tests.conftest import GENERATED, ROOT, SERVING, Stack, _keys, _write_config, running_stack
+from tests.support.phases import job_log, phase
 from tests.support.s3 import moto_s3
 
 BUCKET = "raystack-itest"
@@ -62,12 +63,15 @@ def _serve_from_s3(config: str, env: dict[str, str]) -> None:
     from serving.config import load_config
     from serving.control.build import ensure_models
 
-    import_minilm()
-    ensure_models(load_config(config), GENERATED.parent)
+    with phase("serving import minilm"):
+        import_minilm()
+    with job_log("integration stack") as log:
+        ensure_models(load_config(config), GENERATED.parent, log=log)
     s3_client(env).create_bucket(Bucket=BUCKET)
     src = str(ROOT / "checkpoints" / "subtractor" / "v1")
     cmd = [SERVING, "import", src, "--model", "subtractor", "--version", "v1", "--root", S3_ROOT]
-    subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, check=True, timeout=120)
+    with phase("serving import subtractor@v1 into S3"):
+        subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, check=True, timeout=120)
     data = yaml.safe_load(GENERATED.read_text())
     data["checkpoint_root"] = S3_ROOT
     for m in data["models"]:
