@@ -250,11 +250,11 @@ def main(argv: list[str] | None = None) -> None:
         meta["model"] = json.loads(model_info.read_text())
     rounds: list[dict[str, Any]] = []
     if a.kv_routing:
-        from loadtests import kv_bench
+        from loadtests import kv_bench, kv_routing
 
         kv_doc = kv_bench.run(a, model) | {"meta": meta | {"load_at_end": load_avg()}}
         (a.out / "bench.json").write_text(json.dumps(kv_doc, indent=2) + "\n")
-        print(kv_bench.report(kv_doc, a.out) + f"\n\nwritten: {a.out / 'bench.json'}, {a.out / 'bench.md'}")
+        print(kv_routing.report(kv_doc, a.out) + f"\n\nwritten: {a.out / 'bench.json'}, {a.out / 'bench.md'}")
         return
     if a.prefix_routing:
         results = run_prefix_routing(a, model)

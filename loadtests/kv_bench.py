@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import logging
-import random
 import secrets
 import shutil
 import subprocess
@@ -45,7 +44,7 @@ from typing import Any
 
 import httpx
 
-from loadtests.bench_tables import cpu_table, round_orders
+from loadtests.bench_tables import round_orders
 from loadtests.client import run_level
 from loadtests.cpuprof import cpu_by_group, load_avg, split
 from loadtests.kv_routing import (
@@ -53,11 +52,12 @@ from loadtests.kv_routing import (
     CacheSizing,
     counter_deltas,
     engine_counters,
-    kv_table,
     level_row,
     median_levels,
     prompts,
+    request_names,
     size_cache,
+    token_prompts,
 )
 from loadtests.models import ADAPTER_RANK, build_adapter
 from loadtests.servers import (
@@ -332,15 +332,6 @@ def measure_router(
     return out
 
 
-def token_prompts(model_dir: str, texts: list[str]) -> list[list[int]]:
-    """Each prompt as the token ids the engine makes of it (``add_special_tokens``, as vLLM's
-    completions endpoint tokenizes a text prompt)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    return [list(tok(t)["input_ids"]) for t in texts]
-
-
 def kv_model(a: argparse.Namespace, model: BenchModel) -> tuple[BenchModel, CacheSizing]:
     """The model with the engines' cache sized for the pressure workload and a context that
     holds one prompt and its output; exits when the sizing does not make pressure."""
@@ -364,12 +355,6 @@ def adapters_for(a: argparse.Namespace, model: BenchModel) -> dict[str, str]:
         name = f"{model.name}-lora-{k}"
         out[name] = str(build_adapter(model.path, a.out / "adapters", name, f"{model.name}@v1", seed=k).resolve())
     return out
-
-
-def request_names(adapters: list[str], n: int, seed: int = 1) -> list[str]:
-    """The adapter each of ``n`` requests asks for, at random, the same for the same arguments."""
-    rng = random.Random(seed)
-    return [rng.choice(adapters) for _ in range(n)]
 
 
 def run(a: argparse.Namespace, model: BenchModel, log: Any = print) -> dict[str, Any]:
@@ -408,16 +393,3 @@ def run(a: argparse.Namespace, model: BenchModel, log: Any = print) -> dict[str,
     }
     sized = vars(sizing) | {"prefix_demand": sizing.prefix_demand}
     return {"sizing": sized, "adapters": sorted(adapters), "rounds": rounds, "results": medians}
-
-
-def report(doc: dict[str, Any], out: Path) -> str:
-    """bench.md: the medians, then each round's table (which has the per-engine split)."""
-    base = "power_of_two" if "power_of_two" in doc["results"] else next(iter(doc["results"]))
-    rounds = doc["rounds"]
-    text = f"Medians of {len(rounds)} round(s):\n\n" + kv_table(doc["results"], base)
-    by_level = {f"{r} {w}": rows for r, per in doc["results"].items() for w, rows in per.items()}
-    text += "\n\nCores used per group of processes (medians):\n\n" + cpu_table(by_level)
-    for i, rnd in enumerate(rounds, 1):
-        text += f"\n\nRound {i} ({','.join(rnd['order'])}):\n\n" + kv_table(rnd["results"], base)
-    (out / "bench.md").write_text(text + "\n")
-    return text

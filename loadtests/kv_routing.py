@@ -1,5 +1,6 @@
 """The KV-routing benchmark's pure parts: its two workloads, the cache sizing, the engines'
-prefix-cache counters and the tables (no engine, no network; :mod:`loadtests.kv_bench` runs them).
+prefix-cache counters, the adapters' draw and the tables (no engine, no network;
+:mod:`loadtests.kv_bench` runs them).
 
 Workloads, in tokens of the benchmark models' character-level tokenizer (:mod:`loadtests.models`:
 one token per character, ``<bos>`` first), so that block boundaries are known exactly:
@@ -24,8 +25,10 @@ import math
 import random
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from loadtests.bench_tables import cpu_table
 from loadtests.cpuprof import median_cores
 from loadtests.workload import random_text
 
@@ -40,7 +43,10 @@ __all__ = [
     "level_row",
     "median_levels",
     "prompts",
+    "report",
+    "request_names",
     "size_cache",
+    "token_prompts",
 ]
 
 BLOCK_TOKENS = 128  # vLLM's KV block size on CPU (``block_size`` in its vllm:cache_config_info)
@@ -209,3 +215,31 @@ def kv_table(results: dict[str, dict[str, list[dict[str, Any]]]], base: str = "p
                 ]
                 lines.append(f"| {w} | {router} | {row['concurrency']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def request_names(adapters: list[str], n: int, seed: int = 1) -> list[str]:
+    """The adapter each of ``n`` requests asks for, at random, the same for the same arguments."""
+    rng = random.Random(seed)
+    return [rng.choice(adapters) for _ in range(n)]
+
+
+def report(doc: dict[str, Any], out: Path) -> str:
+    """bench.md: the medians, then each round's table (which has the per-engine split)."""
+    base = "power_of_two" if "power_of_two" in doc["results"] else next(iter(doc["results"]))
+    rounds = doc["rounds"]
+    text = f"Medians of {len(rounds)} round(s):\n\n" + kv_table(doc["results"], base)
+    by_level = {f"{r} {w}": rows for r, per in doc["results"].items() for w, rows in per.items()}
+    text += "\n\nCores used per group of processes (medians):\n\n" + cpu_table(by_level)
+    for i, rnd in enumerate(rounds, 1):
+        text += f"\n\nRound {i} ({','.join(rnd['order'])}):\n\n" + kv_table(rnd["results"], base)
+    (out / "bench.md").write_text(text + "\n")
+    return text
+
+
+def token_prompts(model_dir: str, texts: list[str]) -> list[list[int]]:
+    """Each prompt as the token ids the engine makes of it (``add_special_tokens``, as vLLM's
+    completions endpoint tokenizes a text prompt)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [list(tok(t)["input_ids"]) for t in texts]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.kv_bench import EVENT_PORTS, adapters_for, engine_kv_events, request_names, router_command
+from loadtests.kv_bench import EVENT_PORTS, adapters_for, engine_kv_events, router_command
 from loadtests.kv_routing import (
     BLOCK_TOKENS,
     HITS,
@@ -23,6 +23,7 @@ from loadtests.kv_routing import (
     level_row,
     median_levels,
     prompts,
+    request_names,
     size_cache,
 )
 from loadtests.models import build_model
