@@ -8,7 +8,6 @@ Route handlers stay thin: parse, authenticate, resolve, call :meth:`GatewayCore.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections import Counter
@@ -24,7 +23,7 @@ from serving.errors import (
     sse_error_event,
     unavailable,
 )
-from serving.gateway.admission.auth import Authenticator, Tenant
+from serving.gateway.admission.auth import Authenticator, Tenant, tenant_cache_salt
 from serving.gateway.admission.quota import QuotaClient
 from serving.gateway.answers import usage_of
 from serving.gateway.kv_index import KVFeeds
@@ -37,23 +36,12 @@ from serving.gateway.splice import Splice, spliced
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["NO_PROMPT", "Exchange", "GatewayCore", "tenant_cache_salt"]
+__all__ = ["NO_PROMPT", "Exchange", "GatewayCore"]
 
 # tokenize and detokenize need only a model's tokenizer, which a pooling model has too
 TOKENIZER_KINDS = frozenset({"tokenize", "detokenize"})
 KV_INLINE_BYTES = 32_768  # router kv_aware: a larger body is tokenized off the event loop
 NO_PROMPT = "\x00"  # the prefix-affinity hint of a request with no leading text
-
-
-def tenant_cache_salt(tenant: str, client: str | None = None) -> str:
-    """vLLM's ``cache_salt`` for a tenant's request (``client``: the salt the client sent, which
-    keeps its own requests apart within the tenant). A client cannot send another tenant's:
-    the gateway replaces every salt, and engines answer only the gateway."""
-    h = hashlib.blake2b(digest_size=12)
-    h.update(tenant.encode())
-    h.update(b"\x00")
-    h.update((client or "").encode())
-    return "t" + h.hexdigest()
 
 
 class Exchange:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from serving.contract import Record
-from serving.gateway.core import tenant_cache_salt
+from serving.gateway.admission.auth import tenant_cache_salt
 from serving.gateway.kv_index import KVFeeds
 from serving.metrics import parse_prometheus_values
 from tests.conftest import Stack

@@ -16,8 +16,9 @@ from loadtests.relay import OneReplica
 from serving.config import ConfigError, EngineConfig, GatewayConfig, parse_config
 from serving.control.serve_config import routing_user_config
 from serving.errors import InvalidRequest
+from serving.gateway.admission.auth import tenant_cache_salt
 from serving.gateway.api import create_api
-from serving.gateway.core import GatewayCore, tenant_cache_salt
+from serving.gateway.core import GatewayCore
 from serving.gateway.protocol import parse_request
 from serving.metrics import GatewayMetrics
 from serving.replica.engine import EngineSpec, engine_args, vllm_command

@@ -16,9 +16,9 @@ from aiohttp import web
 from loadtests.relay import OneReplica
 from serving.config import GatewayConfig, parse_config
 from serving.control.serve_config import routing_user_config
-from serving.gateway.admission.auth import hash_key
+from serving.gateway.admission.auth import hash_key, tenant_cache_salt
 from serving.gateway.api import create_api
-from serving.gateway.core import GatewayCore, tenant_cache_salt
+from serving.gateway.core import GatewayCore
 from tests.support.loopback import http_replica
 
 KEYS = {"t": "sk-t", "u": "sk-u"}

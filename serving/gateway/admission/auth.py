@@ -6,6 +6,9 @@ A key comes as ``Authorization: Bearer <key>`` (OpenAI clients) or ``x-api-key: 
 Keys are high-entropy random tokens, so they are stored as salted SHA-256 (``sha256$salt$hex``),
 never in plain text; a key may also come from an environment variable (a Kubernetes Secret),
 hashed in memory at start. A verified key is cached by its own SHA-256, not by the key.
+
+Tenants share engines but not their prompts' cached KV blocks: :func:`tenant_cache_salt` is the
+vLLM ``cache_salt`` the gateway gives each tenant's requests.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from serving.errors import AuthenticationError
 
 logger = logging.getLogger("serving.gateway")
 
-__all__ = ["ANONYMOUS", "Authenticator", "Tenant", "hash_key", "new_key"]
+__all__ = ["ANONYMOUS", "Authenticator", "Tenant", "hash_key", "new_key", "tenant_cache_salt"]
 
 
 @dataclass(frozen=True)
@@ -99,3 +102,14 @@ class Authenticator:
                 self._cache[d] = t
                 return t
         raise AuthenticationError("Incorrect API key provided.", code="invalid_api_key")
+
+
+def tenant_cache_salt(tenant: str, client: str | None = None) -> str:
+    """vLLM's ``cache_salt`` for a tenant's request (``client``: the salt the client sent, which
+    keeps its own requests apart within the tenant). A client cannot send another tenant's:
+    the gateway replaces every salt, and engines answer only the gateway."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(tenant.encode())
+    h.update(b"\x00")
+    h.update((client or "").encode())
+    return "t" + h.hexdigest()
