@@ -209,7 +209,7 @@ class PromotionSteps:
         from a fresh scrape (an extension; past ``max_step_extensions`` it rolls back)."""
         weight = policy.steps[rec.step_index]
         shown = ", ".join(n[:16] for n in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        why = f"metrics of node {shown} not read at both ends of the window"
+        why = f"metrics of node{'s' if len(missing) > 1 else ''} {shown} not read at both ends of the window"
         fig = {**fig, "unread_nodes": len(missing)}
         if rec.extensions >= policy.max_step_extensions:
             return self._rollback(rec, f"at {weight}%: {why}, after {rec.extensions} extensions", fig=fig)
