@@ -82,6 +82,7 @@ def running_stack(config: Path, env: dict[str, str] | None = None, reuse: bool =
                 run("down", timeout=300)
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The set-up steps' times (tests/support/phases.py), after ``--durations``."""
     if PHASES:
