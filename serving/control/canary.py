@@ -204,13 +204,15 @@ class PromotionSteps:
         self._decide(rec, policy, verdict)
         return None
 
-    def _rewatch(self, rec: PromotionRecord, policy: PromotionPolicy, missing: list[str], fig: dict[str, Any]) -> None:
+    def _rewatch(
+        self, rec: PromotionRecord, policy: PromotionPolicy, missing: dict[str, str], fig: dict[str, Any]
+    ) -> None:
         """A window some node's part of which is unknown passes nothing: the step is watched again
         from a fresh scrape (an extension; past ``max_step_extensions`` it rolls back)."""
         weight = policy.steps[rec.step_index]
-        shown = ", ".join(n[:16] for n in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        why = f"metrics of node{'s' if len(missing) > 1 else ''} {shown} not read at both ends of the window"
-        fig = {**fig, "unread_nodes": len(missing)}
+        parts = [f"metrics of node {node[:16]} {how}" for node, how in list(missing.items())[:3]]
+        why = "; ".join(parts) + (f"; and {len(missing) - 3} more nodes" if len(missing) > 3 else "")
+        fig = {**fig, "nodes_not_counted": len(missing)}
         if rec.extensions >= policy.max_step_extensions:
             return self._rollback(rec, f"at {weight}%: {why}, after {rec.extensions} extensions", fig=fig)
         rec.extensions += 1

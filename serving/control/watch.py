@@ -6,9 +6,11 @@ over tenants and gateway replicas). A window is the difference of two scrapes, t
 node (each node's Ray metrics agent is read on its own). A node whose scrape failed at either end,
 or that was up at only one of them, is left out of the window's totals, since its part of it is
 unknown (counting its totals since it started would put traffic from before the window into it),
-and :func:`unseen` names it: a window with such a node never passes a step (the controller
-watches the step again from a fresh scrape, serving.control.canary). Percentiles are read from the histogram
-buckets (linear within a bucket, as Prometheus' ``histogram_quantile``).
+and so is a node that counted less at the end than at the start (whatever restarted there, what
+it had counted left the sum). :func:`unseen` names such nodes: a window with such a node
+never passes a step (the controller watches the step again from a fresh scrape,
+serving.control.canary). Percentiles are read from the histogram buckets (linear within a bucket,
+as Prometheus' ``histogram_quantile``).
 
 The verdicts, in order:
 
@@ -148,9 +150,24 @@ def window(now: Scrape, before: Scrape) -> dict[str, VersionStats]:
     return total
 
 
-def unseen(now: Scrape, before: Scrape) -> list[str]:
-    """The nodes whose part of the window is unknown: not read at one end, or up at only one."""
-    return sorted((now.listed | before.listed) - (now.nodes.keys() & before.nodes.keys()))
+def unseen(now: Scrape, before: Scrape) -> dict[str, str]:
+    """The nodes whose part of the window is unknown, each with why: not read at one end (or up at
+    only one), or counting less at the end than at the start (a process there restarted and its
+    counters with it, so what it counted before is gone from the sum)."""
+    read = now.nodes.keys() & before.nodes.keys()
+    out = {node: "not read at both ends of the window" for node in (now.listed | before.listed) - read}
+    for node in read:
+        if _went_back(now.nodes[node], before.nodes[node]):
+            out[node] = "counted less at the window's end than at its start"
+    return dict(sorted(out.items()))
+
+
+def _went_back(now: dict[str, VersionStats], before: dict[str, VersionStats]) -> bool:
+    for v, b in before.items():
+        n = now.get(v, VersionStats())
+        if n.requests < b.requests or n.errors < b.errors or n.ttft_count < b.ttft_count:
+            return True
+    return False
 
 
 def shift(start: Scrape, before: Scrape, after: Scrape) -> Scrape:
