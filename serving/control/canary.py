@@ -68,6 +68,8 @@ class PromotionSteps:
     bases: AdapterBases
     _resumed: set[str]
 
+    # the controller's own (serving.control.controller.Controller): the record and what applies it
+
     def _keep_needed(self, model: str, weights: dict[str, int]) -> dict[str, int]:
         raise NotImplementedError
 
