@@ -18,15 +18,17 @@ metrics counted while it ran, so they never count as the canary's traffic. An ev
 fails counts as a miss; an eval that raises rolls back, as a score of 0 would.
 
 :class:`PromotionSteps` is the part of :class:`~serving.control.controller.Controller` that takes
-these steps; the controller supplies the record, the store, the lock and what applies a config.
+these steps; the controller supplies the record, the store and the lock. Its two seams: an
+:class:`Applier` makes a config take effect and reads each node's metrics, a :class:`Prober` sends
+the warm-up and eval requests.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from serving.config import ModelConfig, PromotionPolicy, StackConfig
 from serving.control.bases import AdapterBases
@@ -43,16 +45,31 @@ from serving.control.watch import (
     window,
 )
 from serving.lease import LockLost, StoreLock
-from serving.manifest import MANIFEST, manifest_sha256
+from serving.manifest import MANIFEST, Manifest, manifest_sha256
 from serving.record import ControlStore, PromotionRecord, StepRecord
 from serving.registry import CheckpointStore
 
-if TYPE_CHECKING:
-    from serving.control.controller import Applier, Prober
-
-__all__ = ["PromotionSteps"]
+__all__ = ["Applier", "Prober", "PromotionSteps"]
 
 log = logging.getLogger("raystack.promotion")
+
+
+class Applier(Protocol):
+    """Where a config takes effect: Serve locally, the RayService on Kubernetes."""
+
+    def apply(self, cfg: StackConfig) -> None: ...
+
+    def app_status(self, app: str) -> tuple[str, str]: ...  # (status, message)
+
+    def metrics_by_node(self) -> Mapping[str, str | None]: ...  # node id -> Prometheus text, None if not read
+
+
+class Prober(Protocol):
+    """Requests to ``model@version`` through the gateway."""
+
+    def warm(self, model: str, version: str, n: int, pooling: bool = False) -> None: ...
+
+    def online_eval(self, model: str, version: str, manifest: Manifest, n: int) -> float | None: ...
 
 
 class PromotionSteps:

@@ -35,13 +35,13 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import ValidationError
 
 from serving.config import ConfigError, ModelConfig, ModelVersion, PromotionPolicy, StackConfig
 from serving.control.bases import AdapterBases
-from serving.control.canary import PromotionSteps, _decision
+from serving.control.canary import Applier, Prober, PromotionSteps, _decision
 from serving.control.serve_config import build_serve_config
 from serving.lease import LockLost, StoreLock
 from serving.manifest import Manifest
@@ -51,24 +51,6 @@ from serving.registry import CheckpointStore, RegistryError, _natural_key
 __all__ = ["Applier", "Controller", "Prober", "policy_for", "with_live"]
 
 log = logging.getLogger("raystack.promotion")
-
-
-class Applier(Protocol):
-    """Where a config takes effect: Serve locally, the RayService on Kubernetes."""
-
-    def apply(self, cfg: StackConfig) -> None: ...
-
-    def app_status(self, app: str) -> tuple[str, str]: ...  # (status, message)
-
-    def metrics_by_node(self) -> Mapping[str, str | None]: ...  # node id -> Prometheus text, None if not read
-
-
-class Prober(Protocol):
-    """Requests to ``model@version`` through the gateway."""
-
-    def warm(self, model: str, version: str, n: int, pooling: bool = False) -> None: ...
-
-    def online_eval(self, model: str, version: str, manifest: Manifest, n: int) -> float | None: ...
 
 
 def with_live(cfg: StackConfig, live: Mapping[str, Sequence[LiveEntry]]) -> StackConfig:
