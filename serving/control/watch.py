@@ -152,8 +152,8 @@ def window(now: Scrape, before: Scrape) -> dict[str, VersionStats]:
 
 def unseen(now: Scrape, before: Scrape) -> dict[str, str]:
     """The nodes whose part of the window is unknown, each with why: not read at one end (or up at
-    only one), or counting less at the end than at the start (a process there restarted and its
-    counters with it, so what it counted before is gone from the sum)."""
+    only one), or counting less at the end than at the start (whatever restarted there, what it
+    had counted is gone from the sum)."""
     read = now.nodes.keys() & before.nodes.keys()
     out = {node: "not read at both ends of the window" for node in (now.listed | before.listed) - read}
     for node in read:
