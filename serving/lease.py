@@ -23,6 +23,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import secrets
 import time
@@ -163,28 +164,59 @@ class StoreLock:
         self.lease, self.holder, self.ttl_s = lease, holder, ttl_s
         self.clock, self.settle_s, self.sleep = clock, settle_s, sleep
         self.token = secrets.token_hex(8)
+        self._renewed_at = -math.inf  # self.clock() before the last read that took or renewed it
 
-    def _claim(self, current: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The lease to write over ``current``, or None while another holder's has not expired."""
+    def _claim(self, current: dict[str, Any] | None, renew: bool = False) -> dict[str, Any] | None:
+        """The lease to write over ``current``, or None while another holder's has not expired
+        (with ``renew``: unless ``current`` is this holder's own, expired or not)."""
         now = self.clock()
-        if current and current.get("token") != self.token and float(current.get("expires_at", 0)) > now:
+        ours = current is not None and current.get("token") == self.token
+        if renew and not ours:
+            return None
+        if current and not ours and float(current.get("expires_at", 0)) > now:
             return None
         return {"holder": self.holder, "token": self.token, "expires_at": now + self.ttl_s}
 
-    def acquire(self) -> bool:
-        """Take or renew the lease; False if another holder's lease has not expired."""
+    def acquire(self, renew: bool = False) -> bool:
+        """Take or renew the lease; False if another holder's lease has not expired. With
+        ``renew``, only renew it: False unless the lease is still this holder's (had another
+        holder taken it meanwhile, it may have acted on what this one is about to write)."""
+        started = self.clock()
         if self.lease.conditional:
             current, etag = self.lease.read_tagged()
-            body = self._claim(current)
-            return body is not None and self.lease.write_if(body, etag)
-        with self.lease.mutex():
-            body = self._claim(self.lease.read())
-            if body is None:
-                return False
-            self.lease.write(body)
-        if not self.lease.is_local:  # no mutex: the last writer wins, so look again
-            self.sleep(self.settle_s)
-        return self.held()
+            body = self._claim(current, renew)
+            taken = body is not None and self.lease.write_if(body, etag)
+        else:
+            with self.lease.mutex():
+                body = self._claim(self.lease.read(), renew)
+                if body is None:
+                    return False
+                self.lease.write(body)
+            if not self.lease.is_local:  # no mutex: the last writer wins, so look again
+                self.sleep(self.settle_s)
+            taken = self.held()
+        if taken:
+            self._renewed_at = started
+        return taken
+
+    def ensure(self, what: str) -> None:
+        """Before a write only the holder may make (``what``): renew the lease once a third of its
+        time has passed since the last renewal, so a holder slowed down between two writes (slow
+        metric reads, a slow API server) never writes on a lease that may have expired. Raises
+        :class:`LockLost` when another holder has it, or when the renewal failed and less than a
+        third of the lease may be left."""
+        age = self.clock() - self._renewed_at
+        if age < self.ttl_s / 3:
+            return
+        try:
+            held = self.acquire(renew=True)
+        except OSError as exc:
+            if age < self.ttl_s * 2 / 3:
+                log.warning("renewing the lock before %s: %s; still held", what, exc)
+                return
+            raise LockLost(f"could not renew the lock before {what}: {exc}") from None
+        if not held:
+            raise LockLost(f"lost the lock before {what}") from None
 
     def held(self) -> bool:
         current = self.lease.read()
@@ -206,8 +238,9 @@ class StoreLock:
         lease lost anyway raises :class:`LockLost`. A renewal the store fails (a 503, a network
         error) is tried again at the next interval; once the lease may have expired without one,
         it counts as lost."""
+        self.ensure(what)
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="holding-lock")
-        renewed = time.monotonic()
+        renewed = time.monotonic() - max(0.0, self.clock() - self._renewed_at)  # the last renewal
         try:
             job = pool.submit(fn, *args)
             while True:
@@ -215,7 +248,7 @@ class StoreLock:
                     return job.result(timeout=max(0.05, self.ttl_s / 3))
                 except concurrent.futures.TimeoutError:
                     try:
-                        held = self.acquire()
+                        held = self.acquire(renew=True)
                     except OSError as exc:
                         if time.monotonic() - renewed < self.ttl_s:
                             log.warning("renewing the lock while %s: %s; trying again", what, exc)

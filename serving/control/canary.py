@@ -47,7 +47,7 @@ from serving.control.watch import (
 from serving.lease import LockLost, StoreLock
 from serving.manifest import MANIFEST, Manifest, manifest_sha256
 from serving.record import ControlStore, PromotionRecord, StepRecord
-from serving.registry import CheckpointStore
+from serving.registry import CheckpointStore, RegistryError
 
 __all__ = ["Applier", "Prober", "PromotionSteps"]
 
@@ -112,6 +112,7 @@ class PromotionSteps:
                 return self._rollback(rec, f"{phase} {weights} cannot be served: {problem}")
             rec.live_pending = True
         rec.steps.append(StepRecord(at=self.clock(), phase=phase, weights=weights, figures=fig, note=note))
+        self.lock.ensure(f"recording {rec.model}@{rec.version}'s {phase} step")
         self.control.save(rec)
         _decision(rec.model, rec.version, phase, note, fig)
         if weights:
@@ -134,10 +135,11 @@ class PromotionSteps:
     def _resume(self, rec: PromotionRecord) -> None:
         """A promotion this controller did not start (it restarted): restart the step's window."""
         self._resumed.add(rec.id)
-        if rec.status == "stepping":
-            rec.step_started_at, rec.extensions = self.clock(), 0
+        if rec.status == "stepping":  # its extensions so far still count against max_step_extensions
+            rec.step_started_at = self.clock()
             rec.baseline["start"] = self._snapshot(rec.model)
             rec.steps.append(StepRecord(at=self.clock(), phase="resume", note="controller restarted: step re-watched"))
+            self.lock.ensure(f"recording {rec.model}@{rec.version}'s resume")
             self.control.save(rec)
             _decision(rec.model, rec.version, "resume", "controller restarted: step re-watched", {})
 
@@ -249,7 +251,11 @@ class PromotionSteps:
         oe = policy.online_eval
         if oe.samples == 0:
             return verdict
-        manifest, raw = self.store.read_manifest(rec.model, rec.version)
+        try:
+            manifest, raw = self.store.read_manifest(rec.model, rec.version)
+        except RegistryError as exc:  # deleted or cut short in the store since its gate read it
+            why = f"{MANIFEST} of {rec.model}@{rec.version} cannot be read from the store: {exc}"
+            return Verdict("rollback", why, verdict.figures)
         claimed = manifest.eval.value(oe.metric) if manifest.eval else None
         if rec.manifest_sha256 and manifest_sha256(raw) != rec.manifest_sha256:
             why = f"{MANIFEST} of {rec.model}@{rec.version} changed in the store since its gate checked it"

@@ -113,12 +113,14 @@ class Controller(PromotionSteps):
 
     def _set(self, model: str, versions: Sequence[LiveEntry]) -> None:
         """Record, then apply the whole current config (every model as recorded now)."""
+        self.lock.ensure(f"recording {model}'s live versions")
         self.control.set_live(model, versions)
         self._dirty = True
         self._apply()
 
     def _apply(self) -> None:
         """Apply the whole current config; a failure leaves it due, and the next poll tries again."""
+        self.lock.ensure("applying the recorded config")
         try:
             self.applier.apply(self.current())
         except Exception as exc:
@@ -134,6 +136,7 @@ class Controller(PromotionSteps):
         entries: list[LiveEntry] = [
             (v, w, pin) if v == rec.version and pin else (v, w) for v, w in last.weights.items()
         ]
+        self.lock.ensure(f"recording {rec.model}'s live versions")
         self.control.set_live(rec.model, entries)
         self._dirty = True
         rec.live_pending = False
@@ -219,13 +222,15 @@ class Controller(PromotionSteps):
                     _decision(m.name, idle[0].version, "removed", "no live adapter runs on it", {})
 
     def _tick_model(self, m: ModelConfig) -> None:
+        self.lock.ensure(f"taking {m.name}'s requests")
         taken = self.control.take_request(m.name)
         rec = self.control.active(m.name)
         if taken is not None:
             key, request = taken
             try:
                 rec = self._handle(m, request, rec)
-            except LockLost:  # the controller that took over handles it
+            except Exception:  # lost the lock, or the store failed a write: the next poll (or
+                # the controller that took over) handles the request; none is dropped
                 self.control.submit(m.name, request, key)
                 raise
         elif rec is None and m.promotion.mode == "auto":
@@ -248,6 +253,8 @@ class Controller(PromotionSteps):
 
     def _handle(self, m: ModelConfig, req: PromotionRequest, rec: PromotionRecord | None) -> PromotionRecord | None:
         if req.action == "promote" and req.version:
+            if rec is not None and rec.version == req.version:
+                return rec  # this request was taken before, started this promotion, then put back
             if rec is not None:
                 self._refuse(m, req.version, f"{m.name}@{rec.version} is being promoted; one at a time")
                 return rec
@@ -275,6 +282,7 @@ class Controller(PromotionSteps):
             created_at=now, updated_at=now,
         )  # fmt: skip
         rec.steps.append(StepRecord(at=now, phase="refused", note=reason))
+        self.lock.ensure(f"recording {m.name}@{version}'s refusal")
         self.control.save(rec)
         _decision(m.name, version, "refused", reason, {})
         return rec

@@ -18,7 +18,9 @@ The verdicts, in order:
   judge, the step is watched longer (never passed).
 - ``rollback``: its error rate exceeds the live one's by more than ``max_error_rate_increase``,
   or one of its TTFT percentiles exceeds the live one's times ``max_ttft_ratio`` plus
-  ``ttft_slack_s``: the new version is worse than the live one under the same load.
+  ``ttft_slack_s``: the new version is worse than the live one under the same load. A step that
+  leaves the live version no traffic (the last, at 100%) holds the new one to the live
+  version's window before the canary (the deploy step's baseline) instead.
 - ``hold``: both versions are slow: the live version's own TTFT percentiles exceed its baseline
   (the window before the canary took traffic) by the same limit while the new one stays within
   its limit of the live: the machine is overloaded, not the model bad; the step is extended.
@@ -226,18 +228,25 @@ def judge(live: VersionStats, new: VersionStats, baseline: VersionStats | None, 
         fig[f"baseline_ttft_{tag}"] = percentile(baseline, q) if baseline else None
     if new.requests < p.min_requests:
         return Verdict("extend", f"{new.requests:.0f} requests to the new version, fewer than {p.min_requests}", fig)
-    if new.error_rate > live.error_rate + p.max_error_rate_increase:
-        return Verdict("rollback", f"error rate {new.error_rate:.1%} vs live {live.error_rate:.1%}", fig)
+    # the live version took no traffic in the window (the 100% step): the new one is held to the
+    # live version's window before the canary
+    ref, name = live, "live"
+    if live.requests == 0 and baseline is not None:
+        ref, name = baseline, "live before the canary"
+    if new.error_rate > ref.error_rate + p.max_error_rate_increase:
+        return Verdict("rollback", f"error rate {new.error_rate:.1%} vs {name} {ref.error_rate:.1%}", fig)
     overloaded = []
     for q in p.ttft_percentiles:
         tag = f"p{round(q * 100)}"
         n, lv, b = fig[f"new_ttft_{tag}"], fig[f"live_ttft_{tag}"], fig[f"baseline_ttft_{tag}"]
-        if n is None or lv is None:
+        against = lv if lv is not None or live.requests > 0 else b
+        if n is None or against is None:
             continue
-        if n > _limit(lv, p):
-            ms = f"{n * 1000:.0f} ms vs live {lv * 1000:.0f} ms (limit {_limit(lv, p) * 1000:.0f} ms)"
+        if n > _limit(against, p):
+            what = "live" if lv is not None else "live before the canary"
+            ms = f"{n * 1000:.0f} ms vs {what} {against * 1000:.0f} ms (limit {_limit(against, p) * 1000:.0f} ms)"
             return Verdict("rollback", f"TTFT {tag} {ms}: the new version is slow", fig)
-        if b is not None and lv > _limit(b, p):
+        if lv is not None and b is not None and lv > _limit(b, p):
             overloaded.append(f"{tag} live {lv * 1000:.0f} ms vs {b * 1000:.0f} ms before the canary")
     if overloaded:
         return Verdict("hold", "both versions slow (overload, not the model): " + ", ".join(overloaded), fig)

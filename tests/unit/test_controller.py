@@ -290,6 +290,10 @@ def test_manual_mode_waits_for_a_request_then_abort(env: Any) -> None:
     _run(ctl, clock, 4)
     assert cluster.weights() == [("v1", 50), ("v2", 50)]
     ctl.control.submit("calc", PromotionRequest(action="promote", version="v2", at=0))
+    ctl.tick()  # the promotion it asks for runs already (a request put back after a failed write)
+    assert [r.status for r in ctl.control.history("calc")] == ["stepping"]
+    _publish(tmp / "ck", "calc", "v3")
+    ctl.control.submit("calc", PromotionRequest(action="promote", version="v3", at=0))
     ctl.tick()
     assert ctl.control.history("calc")[-1].status == "refused"  # one promotion per model
     ctl.control.submit("calc", PromotionRequest(action="abort", at=0))
@@ -321,9 +325,9 @@ def test_a_long_verification_keeps_the_lock_and_a_controller_that_loses_it_write
     renewals: list[float] = []
     acquire, verify = a.lock.acquire, a.store.verify_pinned
 
-    def counting() -> bool:
+    def counting(renew: bool = False) -> bool:
         renewals.append(clock.t)
-        return acquire()
+        return acquire(renew)
 
     def slow(*args: Any) -> tuple[Manifest, str]:
         time.sleep(0.45)

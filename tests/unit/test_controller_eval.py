@@ -145,9 +145,9 @@ def test_a_slow_online_eval_keeps_the_lock_and_a_controller_that_loses_it_writes
     renewals: list[float] = []
     acquire = a.lock.acquire
 
-    def counting() -> bool:
+    def counting(renew: bool = False) -> bool:
         renewals.append(clock.t)
-        return acquire()
+        return acquire(renew)
 
     a.lock.acquire = counting  # type: ignore[method-assign]
     slow_evals: list[str] = []
@@ -211,12 +211,12 @@ def test_a_store_error_while_renewing_the_lock_during_a_warm_up_is_tried_again_n
     class FlakyLock(StoreLock):
         fail_in = 0  # fail the Nth call from now (0: never)
 
-        def acquire(self) -> bool:
+        def acquire(self, renew: bool = False) -> bool:
             if self.fail_in:
                 self.fail_in -= 1
                 if self.fail_in == 0:
                     raise OSError("503 Slow Down")
-            return super().acquire()
+            return super().acquire(renew)
 
     cluster = SlowWarm(clock)
     control = ControlStore(str(tmp_path / "ck"), "t")
