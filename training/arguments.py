@@ -71,22 +71,29 @@ def check_args(model: str, version: str, method: str, opts: Mapping[str, Any]) -
     lr = opts["lr"]
     if lr is not None and not (math.isfinite(lr) and lr > 0):
         raise TrainingError(f"--lr must be a finite number > 0, got {lr}")
-    if opts["batch_size"] is not None and opts["batch_size"] < opts["workers"]:
+    batch, workers = opts["batch_size"], opts["workers"]
+    if batch is not None and batch % workers:
+        lower, upper = batch // workers * workers, (batch // workers + 1) * workers
+        choices = f"{lower} or {upper}" if lower else f"{upper}"
         raise TrainingError(
-            f"--batch-size {opts['batch_size']} is smaller than --workers {opts['workers']}: every rank "
-            "needs at least one row a step"
+            f"--batch-size {batch} is not a multiple of --workers {workers}: each rank trains the same "
+            f"number of rows a step, so the batch must split evenly; pass --batch-size {choices}"
         )
 
 
 def hyperparameters(base: ResolvedBase, rows: int, opts: Mapping[str, Any]) -> dict[str, Any]:
-    """The defaults for ``base``, overridden by the ones given; a default batch must suit the ranks."""
+    """The defaults for ``base``, overridden by the ones given. A default batch is rounded down to a
+    multiple of the ranks (each trains an equal share), so the manifest records what is trained."""
     hyper = default_hyperparameters(base, rows, lora=opts["lora"] is not None)
     hyper |= {k: opts[k] for k in ("steps", "batch_size", "lr") if opts[k] is not None}
-    if hyper["batch_size"] < opts["workers"]:
-        raise TrainingError(
-            f"the default batch size {hyper['batch_size']} is smaller than --workers {opts['workers']}: "
-            f"pass --batch-size {opts['workers']} or more"
-        )
+    workers = opts["workers"]
+    if opts["batch_size"] is None:  # a given one is a multiple already (check_args)
+        if hyper["batch_size"] < workers:
+            raise TrainingError(
+                f"the default batch size {hyper['batch_size']} is smaller than --workers {workers}: "
+                f"pass --batch-size {workers} or another multiple of it"
+            )
+        hyper["batch_size"] -= hyper["batch_size"] % workers
     return hyper
 
 

@@ -210,7 +210,7 @@ def _train(
     encoded = _encode(base, train_set, eval_set)
     hyper = hyperparameters(base, len(encoded["rows"]), opts)
     job = {"model": model, "version": version, "base": base.ref.model_dump(), "method": method, "seed": seed}
-    job |= {"data": train_set.ref.sha256, "eval": eval_set.ref.sha256, **hyper}
+    job |= {"workers": opts["workers"], "data": train_set.ref.sha256, "eval": eval_set.ref.sha256, **hyper}
     if lora is not None:
         job["lora"] = lora.as_dict()
     run = claim_run_dir(store, model, version, job)

@@ -15,7 +15,7 @@ import pytest
 
 from serving.manifest import BaseRef, Evaluation, Manifest
 from serving.registry import BelowEvalGate, CheckpointStore, Gate
-from training.arguments import default_hyperparameters
+from training.arguments import default_hyperparameters, hyperparameters
 from training.bases import ResolvedBase
 from training.evaluate import metrics_from_sums
 from training.lora import LoraOptions, check_targets
@@ -159,6 +159,41 @@ def test_bad_hyperparameters_fail_before_anything_is_claimed(
     assert not job["root"].exists()
 
 
+@pytest.mark.parametrize(
+    ("workers", "batch", "choices"), [("3", "16", "15 or 18"), ("2", "1", "2"), ("4", "6", "4 or 8")]
+)
+def test_a_batch_the_workers_cannot_split_evenly_is_refused(
+    job: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    workers: str,
+    batch: str,
+    choices: str,
+) -> None:
+    """Each rank takes batch // workers rows: --batch-size 16 --workers 3 trained 15 rows a step
+    while the manifest said 16."""
+    monkeypatch.setattr("training.train._fit", _no_fit)
+    args = ["--model", "m", "--version", "v1", "--base", "init:llama-tiny", "--data", job["data"]]
+    assert main([*args, "--root", str(job["root"]), "--workers", workers, "--batch-size", batch]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: --batch-size {batch} is not a multiple of --workers {workers}: each rank trains the same "
+        f"number of rows a step, so the batch must split evenly; pass --batch-size {choices}\n"
+    )
+    assert not job["root"].exists()
+
+
+def test_a_default_batch_is_rounded_down_to_a_multiple_of_the_workers(tmp_path: Path) -> None:
+    _safetensors(tmp_path / "model.safetensors", 100_000_001)  # a real base: 16 rows a step
+    opts = {"lora": None, "steps": None, "batch_size": None, "lr": None}
+    assert hyperparameters(_base(tmp_path), 1000, opts | {"workers": 3})["batch_size"] == 15
+    assert hyperparameters(_base(tmp_path), 1000, opts | {"workers": 2})["batch_size"] == 16
+    assert hyperparameters(_base(tmp_path, "init"), 1000, opts | {"workers": 2})["batch_size"] == 128
+    assert hyperparameters(_base(tmp_path), 1000, opts | {"workers": 3, "batch_size": 18})["batch_size"] == 18
+    with pytest.raises(TrainingError, match="the default batch size 16 is smaller than --workers 17"):
+        hyperparameters(_base(tmp_path), 1000, opts | {"workers": 17})
+
+
 def test_train_refuses_a_learning_rate_that_is_not_finite(job: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("training.train._fit", _no_fit)
     for lr in (math.inf, math.nan):
@@ -199,18 +234,23 @@ def test_a_run_that_diverged_is_not_published(job: dict[str, Any], monkeypatch: 
     assert (job["root"] / "m" / ".runs" / "v1" / "job.json").is_file()
 
 
-def test_a_run_with_no_checkpoint_gives_way_to_other_arguments(
-    job: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A run that failed before its first checkpoint holds nothing to resume: a corrected command
-    replaces it. One with a checkpoint still resumes only with its own arguments."""
-    jobs = []
+def _failing_fit(jobs: list[dict[str, Any]]) -> Any:
+    """A ``_fit`` that notes each run's job.json and fails before its first checkpoint."""
 
     def fit(store: CheckpointStore, run: str, *args: Any) -> Any:
         jobs.append(json.loads(store.fs.cat_file(f"{run}/job.json")))
         raise TrainingError("the workers failed")
 
-    monkeypatch.setattr("training.train._fit", fit)
+    return fit
+
+
+def test_a_run_with_no_checkpoint_gives_way_to_other_arguments(
+    job: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that failed before its first checkpoint holds nothing to resume: a corrected command
+    replaces it. One with a checkpoint still resumes only with its own arguments."""
+    jobs: list[dict[str, Any]] = []
+    monkeypatch.setattr("training.train._fit", _failing_fit(jobs))
     root = str(job["root"])
     for lr in (1e-3, 5e-4):
         with pytest.raises(TrainingError, match="the workers failed"):
@@ -219,6 +259,22 @@ def test_a_run_with_no_checkpoint_gives_way_to_other_arguments(
     (job["root"] / "m" / ".runs" / "v1" / "checkpoint_000010").mkdir()
     with pytest.raises(TrainingError, match=r"with other arguments \(was, now\): \{'lr': \(0.0005, 0.0001\)\}"):
         train("m", "v1", root, "init:llama-tiny", job["data"], steps=20, lr=1e-4)
+
+
+def test_a_run_resumes_only_with_the_same_workers(job: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks shape the trajectory (each draws its own share of a batch): a checkpoint of a run
+    with 2 workers does not resume with 4."""
+    jobs: list[dict[str, Any]] = []
+    monkeypatch.setattr("training.train._fit", _failing_fit(jobs))
+    root = str(job["root"])
+    with pytest.raises(TrainingError, match="the workers failed"):
+        train("m", "v1", root, "init:llama-tiny", job["data"], steps=20, batch_size=8, workers=2)
+    assert jobs[0]["workers"] == 2 and jobs[0]["batch_size"] == 8
+    (job["root"] / "m" / ".runs" / "v1" / "checkpoint_000010").mkdir()
+    with pytest.raises(TrainingError, match=r"with other arguments \(was, now\): \{'workers': \(2, 4\)\}"):
+        train("m", "v1", root, "init:llama-tiny", job["data"], steps=20, batch_size=8, workers=4)
+    with pytest.raises(TrainingError, match="the workers failed"):  # the same arguments resume
+        train("m", "v1", root, "init:llama-tiny", job["data"], steps=20, batch_size=8, workers=2)
 
 
 def test_a_failed_ray_run_is_one_line_with_the_workers_exception() -> None:

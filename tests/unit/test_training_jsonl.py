@@ -34,6 +34,7 @@ CALL = {
     "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
 }
 COMPLETION = {"prompt": "2+2=", "completion": "4", "kind": "completion"}
+_ANSWER = '{"role": "assistant", "content": "x"}]}'
 
 
 def test_both_formats_and_extra_keys(tmp_path: Path) -> None:
@@ -64,6 +65,17 @@ def test_both_formats_and_extra_keys(tmp_path: Path) -> None:
             "arguments are not valid JSON",
         ),
         ('{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}', "needs content"),
+        ('{"messages": [{"role": "user", "content": "hi", "weight": 0}, ' + _ANSWER, "only assistant messages may"),
+        ('{"messages": [{"role": "assistant", "content": "x", "weight": 2}]}', "weight must be 0 .* or 1, got 2"),
+        ('{"messages": [{"role": "assistant", "content": "x", "weight": true}]}', "weight: Input should be"),
+        ('{"messages": [{"role": "assistant", "content": "x", "weight": 0.5}]}', "weight: Input should be"),
+        ('{"messages": [{"role": "assistant", "content": "x", "weight": "1"}]}', "weight: Input should be"),
+        ('{"messages": [{"role": "assistant", "content": "x", "weight": null}]}', "weight: Input should be"),
+        ('{"prompt": "a", "completion": "b", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+        ('{"prompt": "\\ud83d", "completion": "b"}', r"lone UTF-16 surrogate escape \\ud83d"),
+        ('{"prompt": "a", "completion": "\\udc00 b"}', r"surrogate escape \\udc00"),
+        ('{"messages": [' + _ANSWER[:-1] + ', "kind": {"a": ["\\uD800"]}}', r"surrogate escape \\ud800"),
+        ('{"prompt": "a", "completion": "b", "\\udbff": 1}', r"surrogate escape \\udbff"),
     ],
 )
 def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
@@ -71,6 +83,19 @@ def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, message: str) -
     with pytest.raises(DataError, match=message) as info:
         load_jsonl(path)
     assert f"{path}:2:" in str(info.value)
+
+
+def test_weights_and_escaped_pairs_are_read(tmp_path: Path) -> None:
+    """OpenAI's ``weight`` (0 or 1) on assistant turns is kept out of the template's messages; a
+    surrogate pair's escapes are one character, and an escaped backslash before ``ud83d`` is text."""
+    user, again = {"role": "user", "content": "1+1="}, {"role": "user", "content": "again"}
+    turns = [{"role": "assistant", "content": "3", "weight": 0}, {"role": "assistant", "content": "2", "weight": 1}]
+    chat = {"messages": [user, turns[0], again, turns[1]]}
+    pair = {"prompt": "\U0001f600", "completion": "\\ud83d"}
+    data = load_jsonl(_write(tmp_path / "t.jsonl", [chat, pair]))
+    assert data.rows[0].unweighted == frozenset({1})
+    assert all("weight" not in m for m in data.rows[0].messages or [])
+    assert data.rows[1].prompt == "\U0001f600" and data.rows[1].completion == "\\ud83d"
 
 
 def test_missing_and_empty_files(tmp_path: Path) -> None:
