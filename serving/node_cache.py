@@ -2,8 +2,8 @@
 
 A replica resolves its version directory here before it starts vLLM. Hashing every file of a
 large model at every start would cost minutes, so the full check is paid once per node and
-manifest: after it, a *marker* records the manifest's sha256 and each file's size and mtime as
-stat'ed before the hashing (a file that changes while it is hashed is refused), and a later start
+manifest: after it, a *marker* records the manifest's sha256 and each file's size, mtime, inode
+and change time as stat'ed before the hashing (a file that changes while it is hashed is refused), and a later start
 only compares those and the manifest's sizes (a ``stat`` per file). The layout under the cache
 directory (``$RAYSTACK_CACHE_DIR``, default ``~/.cache/raystack/checkpoints``)::
 
@@ -24,9 +24,11 @@ manifest (same version name, other bytes) never matches an old marker: it is ver
 
 Replicas of one version on one node start together: the first takes the lock and fetches, the
 others wait on it and then find the marker, so the download and the hashing happen once. A cached
-copy whose files no longer match the marker (a changed size or mtime) is fetched again; a local
-store's files are hashed again, and refused if they differ. The cheap check cannot see a change of
-content that keeps a file's size and mtime; the full check at the next new manifest or cache does.
+copy whose files no longer match the marker (any write, ``utime`` or replacement changes the change
+time or the inode) is fetched again; a local store's files are hashed again, and refused if they
+differ. A local store's files are loaded in place: a file rewritten after the check and before
+vLLM has read it is not seen (copy the version into a remote store, or keep writers off the
+serving store).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from serving.registry import TMP_PREFIX, CheckpointStore, TamperedVersion, check
 __all__ = ["CACHE_ENV", "Resolved", "VerifiedCache", "default_cache_dir", "split_version_uri"]
 
 CACHE_ENV = "RAYSTACK_CACHE_DIR"
-MARKER_FORMAT = 1
+MARKER_FORMAT = 2
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ def split_version_uri(uri: str) -> tuple[str, str, str]:
 
 @dataclass(frozen=True)
 class Resolved:
-    """A verified local directory and what it took: ``cached`` (sizes and mtimes only),
+    """A verified local directory and what it took: ``cached`` (the stats only),
     ``verified`` (a local store hashed in place) or ``downloaded`` (fetched and hashed)."""
 
     path: str
@@ -104,6 +106,13 @@ def _same_file(a: os.stat_result | None, b: os.stat_result | None) -> bool:
     if a is None or b is None:
         return a is b
     return (a.st_size, a.st_mtime_ns, a.st_ino, a.st_ctime_ns) == (b.st_size, b.st_mtime_ns, b.st_ino, b.st_ctime_ns)
+
+
+def _stamp(st: os.stat_result) -> dict[str, int]:
+    """What the marker keeps of a verified file's stat. The change time is set by the kernel on
+    every write, rename or ``utime`` (no caller can put it back), and a replaced file has another
+    inode, so a rewrite that restores the size and mtime still shows."""
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns}
 
 
 def _refuse(manifest: Manifest, message: str) -> TamperedVersion:
@@ -185,7 +194,7 @@ class VerifiedCache:
 
     @staticmethod
     def _cheap_ok(marker: Path, target: Path, manifest: Manifest, digest: str) -> bool:
-        """The marker is for this manifest and every file still has its recorded size and mtime
+        """The marker is for this manifest and every file still has its recorded stat
         and the manifest's size (and no file was added or removed)."""
         try:
             data: dict[str, Any] = json.loads(marker.read_text())
@@ -202,7 +211,7 @@ class VerifiedCache:
             logger.warning("%s: the files differ from the verified ones; checking again", target)
             return False
         for rel, st in now.items():
-            if (st.st_size, st.st_mtime_ns) != (recorded[rel]["size"], recorded[rel]["mtime_ns"]):
+            if _stamp(st) != recorded[rel]:
                 logger.warning("%s: file %s changed since it was verified; checking again", target, rel)
                 return False
             if st.st_size != manifest.sizes.get(rel, st.st_size):
@@ -263,7 +272,7 @@ class VerifiedCache:
             stats = VerifiedCache._verify_dir(manifest, tmp)
             if slot.exists():  # a copy that failed the cheap check: replaced
                 shutil.rmtree(slot)
-            os.rename(tmp, slot)  # the files keep their size and mtime
+            os.rename(tmp, slot)  # the files keep their stat (inode, times)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return stats
@@ -272,7 +281,7 @@ class VerifiedCache:
     def _write_marker(
         marker: Path, stats: dict[str, os.stat_result], manifest: Manifest, digest: str, source: str
     ) -> None:
-        files = {rel: {"size": st.st_size, "mtime_ns": st.st_mtime_ns} for rel, st in stats.items()}
+        files = {rel: _stamp(st) for rel, st in stats.items()}
         body = {
             "format": MARKER_FORMAT,
             "model": manifest.model,

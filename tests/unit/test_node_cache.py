@@ -94,17 +94,17 @@ def test_s3_fetch_once_then_cheap_check(s3_store: CheckpointStore, tmp_path: Pat
     again = VerifiedCache(tmp_path / "cache").resolve_uri(s3_store.uri("adder", "v1"))
     assert (again.action, again.path, again.hashed_files, hashes) == ("cached", first.path, 0, [])
 
-    # the cheap check is sizes and mtimes: same size and mtime passes unseen (by design) ...
+    # a rewrite that puts the size and mtime back still changes the file's change time: the copy
+    # is fetched and verified again, and whole again; so is one of another size
     weights = local / "model.safetensors"
-    st = weights.stat()
-    weights.write_bytes(b"\xff" * st.st_size)
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for size in (None, 10):
+        st = weights.stat()
+        weights.write_bytes(b"\xff" * (size or st.st_size))
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+        healed = cache.resolve(s3_store, "adder", "v1")
+        assert healed.action == "downloaded" and healed.path == first.path
+        assert registry.sha256_file(weights) == healed.manifest.files["model.safetensors"]
     assert cache.resolve(s3_store, "adder", "v1").action == "cached"
-    # ... a changed size is not: the copy is fetched and verified again, and whole again
-    weights.write_bytes(b"\xff" * 10)
-    healed = cache.resolve(s3_store, "adder", "v1")
-    assert healed.action == "downloaded" and healed.path == first.path
-    assert registry.sha256_file(weights) == healed.manifest.files["model.safetensors"]
 
 
 def test_s3_tampered_object_refused(s3_store: CheckpointStore, tmp_path: Path) -> None:
@@ -239,7 +239,13 @@ def test_marker_is_not_trusted_for_a_size_other_than_the_manifests(tmp_path: Pat
     weights.write_bytes(b"\xff" * 10)
     (marker,) = (tmp_path / "cache").rglob("*.verified.json")
     body = json.loads(marker.read_text())
-    body["files"]["model.safetensors"] = {"size": 10, "mtime_ns": weights.stat().st_mtime_ns}
+    st = weights.stat()
+    body["files"]["model.safetensors"] = {
+        "size": 10,
+        "mtime_ns": st.st_mtime_ns,
+        "ino": st.st_ino,
+        "ctime_ns": st.st_ctime_ns,
+    }
     marker.write_text(json.dumps(body))
     with pytest.raises(TamperedVersion, match="file model.safetensors is 10 bytes, the manifest says 900"):
         cache.resolve(store, "adder", "v1")
@@ -336,3 +342,19 @@ def test_serving_up_reports_the_replicas_exception() -> None:
     text = _failure(app)
     assert text.startswith("Failed to update the deployments") and text.endswith("model.safetensors does not match")
     assert len(text) < 1700
+
+
+def test_a_local_file_rewritten_with_its_size_and_mtime_put_back_is_refused(tmp_path: Path) -> None:
+    """A local store is verified in place; a writer that rewrites a verified file and restores its
+    size and mtime (``os.utime``) still changes its change time, so the file is hashed again."""
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.publish(fake_checkpoint(tmp_path / "src"), fields("adder", "v1"))
+    cache = VerifiedCache(tmp_path / "cache")
+    assert cache.resolve(store, "adder", "v1").action == "verified"
+    assert cache.resolve(store, "adder", "v1").action == "cached"
+    weights = Path(store.version_path("adder", "v1")) / "model.safetensors"
+    st = weights.stat()
+    weights.write_bytes(b"\xff" * st.st_size)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(TamperedVersion, match="file model.safetensors does not match its sha256"):
+        cache.resolve(store, "adder", "v1")
