@@ -40,8 +40,14 @@ class LocalRayConfig(Strict):
 # other nodes can join, unless multi-node clusters are switched off. With them on, its metrics
 # ports would listen on every interface without authentication, and its daemons and the model
 # engines (which listen on Ray's node address) on the network's. Off, all of them listen on
-# 127.0.0.1.
-LOCAL_RAY_LOOPBACK: dict[str, str] = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# 127.0.0.1. torch's gloo (the ranks of a CPU engine of several ranks, the training job's DDP)
+# and NCCL's bootstrap bind the address the host name resolves to, unauthenticated, unless told
+# an interface: loopback, inherited by every Ray worker and engine.
+LOCAL_RAY_LOOPBACK: dict[str, str] = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "NCCL_SOCKET_IFNAME": "lo",
+}
 
 
 class ShutdownConfig(Strict):

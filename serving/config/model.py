@@ -30,6 +30,25 @@ RunnerName = Literal["generate", "pooling"]
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
+_WEIGHTS = "the stack passes vLLM only the version's verified files"
+_PORT = "the stack binds the engine to its node's Ray address, every route behind its token"
+_LOGS = "prompt and answer text stays out of the logs"
+# vLLM flags the stack sets itself, each for a guarantee an ``extra_args`` entry would undo
+_STACK_FLAGS = {
+    "model": _WEIGHTS,
+    "tokenizer": _WEIGHTS,
+    "lora-modules": _WEIGHTS + " (adapters are models of their own, with a base)",
+    "served-model-name": "the stack names the model as the gateway routes it",
+    "host": _PORT,
+    "port": _PORT,
+    "middleware": _PORT,
+    "api-key": _PORT + " (a key here would also show on the command line)",
+    "kv-events-config": _PORT + " (the events carry prompt tokens; router kv_aware sets a local socket)",
+    "enable-log-requests": _LOGS,
+    "enable-log-outputs": _LOGS,
+}
+
+
 class EngineConfig(Strict):
     """vLLM engine arguments for one model. Known fields are typed; the rest go in ``extra_args``."""
 
@@ -64,15 +83,20 @@ class EngineConfig(Strict):
     )
     extra_args: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
-        description="Further vLLM CLI flags, e.g. {enforce-eager: true}; booleans become bare flags.",
+        description="Further vLLM CLI flags, e.g. {enforce-eager: true}; booleans become bare flags. Flags the "
+        "stack sets itself are refused: model, tokenizer, lora-modules, served-model-name, host, port, "
+        "middleware, api-key, kv-events-config, enable-log-requests, enable-log-outputs.",
     )
 
     @model_validator(mode="after")
     def _runner(self) -> EngineConfig:
-        # the gateway decides what a model may answer from ``runner``: no second spelling of it
         for key in self.extra_args:
-            if key.replace("_", "-") in ("runner", "convert", "task"):
+            flag = key.replace("_", "-").removeprefix("--")
+            # the gateway decides what a model may answer from ``runner``: no second spelling of it
+            if flag in ("runner", "convert", "task"):
                 raise ValueError(f"extra_args must not set {key!r}; use the runner field")
+            if flag in _STACK_FLAGS:  # vLLM takes the last of two flags: these would win over the stack's
+                raise ValueError(f"extra_args must not set {key!r}: {_STACK_FLAGS[flag]}")
         if self.runner == "pooling" and self.tool_call_parser:
             raise ValueError("tool_call_parser needs runner generate (a pooling model makes no tool calls)")
         return self

@@ -326,6 +326,18 @@ def admin_access(cfg: StackConfig, base: Path | None) -> AdminAccess:
     )
 
 
+def _check_app_names(models: list[ModelConfig]) -> None:
+    """Refuse two model versions whose Serve application names are the same (``app_name`` folds
+    case, ``.`` and ``_``: ``v1`` and ``V1``): Serve would run one application for both."""
+    seen: dict[str, str] = {}
+    for m in models:
+        for v in m.versions:
+            name, label = app_name(m.name, v.version), f"{m.name}@{v.version}"
+            if name in seen:
+                raise ConfigError(f"{seen[name]} and {label} would both be the Serve application {name!r}; rename one")
+            seen[name] = label
+
+
 def build_serve_config(
     cfg: StackConfig, base: Path | None = None, read_manifests: bool = False, seed: StackConfig | None = None
 ) -> dict[str, Any]:
@@ -370,6 +382,7 @@ def build_serve_config(
         ],
     }
     models = [m for m in cfg.models if m.base is None]
+    _check_app_names(models)
     apps = [gateway] + [_model_application(cfg, m, v, base, bases) for m in models for v in m.versions]
     if cfg.controller.enabled:
         apps.append(_controller_application(seed or cfg, base))

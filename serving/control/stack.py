@@ -10,6 +10,7 @@ a fresh random token per stack in ``.run/<stack>.token``, mode 0600). Its pid is
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import secrets
@@ -23,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from serving.config import LOCAL_RAY_LOOPBACK, LocalRayConfig, StackConfig
+from serving.config import LOCAL_RAY_LOOPBACK, ConfigError, LocalRayConfig, StackConfig
 from serving.control.build import check_version_layout, ensure_models, only_models, servable
 from serving.control.serve_config import build_serve_config
 from serving.replica.placement import pid_alive, proc_stat
@@ -287,6 +288,20 @@ def stop_stack(name: str, log: Any = print) -> bool:
     return True
 
 
+def check_exposure(cfg: StackConfig) -> None:
+    """Refuse a gateway without API keys (``auth.mode: open``) on an address other machines reach."""
+    host = cfg.gateway.host
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: what it resolves to is not known here
+        loopback = False
+    if cfg.auth.mode == "open" and not loopback:
+        raise ConfigError(
+            f"gateway.host is {host!r} with auth.mode 'open': every model would answer anyone who "
+            "reaches this machine without a key; listen on 127.0.0.1, or use auth.mode keys"
+        )
+
+
 def up(
     cfg: StackConfig,
     base: Path,
@@ -300,6 +315,7 @@ def up(
     which the promotion controller application gets. With ``early``, while models still train,
     each one that is built is deployed at once (the Ray head starts with the first), so it
     answers before the last training job ends; the full config is deployed after."""
+    check_exposure(cfg)
     base_url = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
     g, r = cfg.gateway, cfg.local_ray
     ports = (g.port, g.serve_proxy_port, r.gcs_port, r.dashboard_port, r.metrics_export_port)

@@ -161,3 +161,53 @@ def test_typed_config_crosses_the_serve_boundary_unchanged() -> None:
     broken = {**gateway["deployments"][0]["user_config"], "unknown": 1}
     with pytest.raises(ValueError, match="unknown"):
         GatewayRoutes.model_validate(broken)
+
+
+@pytest.mark.parametrize(
+    ("key", "why"),
+    [
+        ("model", "verified files"),
+        ("--tokenizer", "verified files"),
+        ("lora_modules", "verified files"),
+        ("host", "every route behind its token"),
+        ("api-key", "command line"),
+        ("kv-events-config", "prompt tokens"),
+        ("enable-log-requests", "out of the logs"),
+        ("enable_log_outputs", "out of the logs"),
+    ],
+)
+def test_extra_args_cannot_override_what_the_stack_sets_for_safety(key: str, why: str) -> None:
+    """vLLM takes the last of two equal flags, and extra_args come after the stack's own."""
+    model = {**MODEL, "engine": {"extra_args": {key: "x"}}}
+    with pytest.raises(ConfigError, match=f"extra_args must not set '{key}'.*{why}"):
+        parse_config(_cfg(models=[model]))
+    assert parse_config(_cfg(models=[{**MODEL, "engine": {"extra_args": {"enforce-eager": True}}}]))
+
+
+@pytest.mark.parametrize(("host", "refused"), [("0.0.0.0", True), ("10.1.2.3", True), ("myhost", True),
+                                               ("127.0.0.1", False), ("::1", False), ("localhost", False)])  # fmt: skip
+def test_serving_up_refuses_an_open_gateway_that_other_machines_reach(host: str, refused: bool) -> None:
+    from serving.control.stack import check_exposure
+
+    cfg = parse_config(_cfg(gateway={"host": host}))
+    if refused:
+        with pytest.raises(ConfigError, match=f"gateway.host is '{host}' with auth.mode 'open'"):
+            check_exposure(cfg)
+    else:
+        check_exposure(cfg)
+    keys = {"mode": "keys", "tenants": [{"name": "t", "key_env": "K", "models": ["*"]}]}
+    check_exposure(parse_config(_cfg(gateway={"host": host}, auth=keys)))  # keys: any address
+
+
+@pytest.mark.parametrize(("first", "second"), [(("adder", "v1"), ("adder", "V1")), (("a", "b--c"), ("a--b", "c"))])
+def test_two_versions_with_one_serve_application_name_are_refused(
+    first: tuple[str, str], second: tuple[str, str]
+) -> None:
+    models = [{"name": n, "versions": [{"version": v, "weight": 100}]} for n, v in (first, second)]
+    if first[0] == second[0]:
+        models = [
+            {"name": first[0], "versions": [{"version": first[1], "weight": 100}, {"version": second[1], "weight": 0}]}
+        ]
+    cfg = parse_config(_cfg(models=models))
+    with pytest.raises(ConfigError, match=f"{first[0]}@{first[1]} and {second[0]}@{second[1]} would both be"):
+        build_serve_config(cfg)
