@@ -12,7 +12,10 @@ the pod's service-account token to the API server. The controller's pods run und
 account ``raystack-promoter`` whose Role allows ``get`` and ``patch`` of this one RayService only
 (``k8s/base/namespaced/promotion-rbac.yaml``). A ``git`` re-apply of the rendered overlay (the
 config as written) is corrected at the controller's next poll: it compares the RayService's
-``serveConfigV2`` with the record's and patches it back.
+``serveConfigV2`` with the record's and patches it back. An *edited* config applied by the operator
+is not: its controller application's args (the stack config as written) differ from this
+controller's, and Serve restarts the controller with them, so this one patches nothing (each poll
+says so) and the restarted one applies the record over the new config.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import httpx
 import yaml
 
 from serving.config import StackConfig
-from serving.control.serve_config import build_serve_config
+from serving.control.serve_config import CONTROLLER_APP, build_serve_config
 
 __all__ = ["RayServiceApplier", "patch_document", "serve_config_v2", "validate_serve_config"]
 
@@ -55,6 +58,16 @@ def serve_config_v2(cfg: StackConfig, seed: StackConfig, read_manifests: bool = 
 def patch_document(cfg: StackConfig, seed: StackConfig, read_manifests: bool = False) -> dict[str, Any]:
     """The JSON merge patch of the RayService that applies ``cfg``."""
     return {"spec": {"serveConfigV2": serve_config_v2(cfg, seed, read_manifests)}}
+
+
+def _controller_args(doc: Any) -> dict[str, Any] | None:
+    """The promotion controller application's args in a ``serveConfigV2`` document, if any."""
+    try:
+        apps = (yaml.safe_load(doc) or {}).get("applications", []) if isinstance(doc, str) else []
+    except yaml.YAMLError:
+        return None
+    args = next((a.get("args") for a in apps if isinstance(a, dict) and a.get("name") == CONTROLLER_APP), None)
+    return args if isinstance(args, dict) else None
 
 
 class RayServiceApplier:
@@ -90,8 +103,16 @@ class RayServiceApplier:
         with self._client() as client:
             current = client.get(self.url)
             current.raise_for_status()
-            if current.json().get("spec", {}).get("serveConfigV2") == patch["spec"]["serveConfigV2"]:
+            doc = current.json().get("spec", {}).get("serveConfigV2")
+            if doc == patch["spec"]["serveConfigV2"]:
                 return
+            theirs = _controller_args(doc)
+            if theirs is not None and theirs != _controller_args(patch["spec"]["serveConfigV2"]):
+                raise RuntimeError(
+                    f"RayService {RAYSERVICE_NAME} holds another stack config than this controller's (an edit "
+                    "applied to it); not patched: Serve restarts the controller with that config, which applies "
+                    "the record over it"
+                )
             r = client.patch(self.url, json=patch, headers={"content-type": "application/merge-patch+json"})
             if r.status_code >= 400:
                 raise RuntimeError(f"patch of RayService {RAYSERVICE_NAME} refused ({r.status_code}): {r.text[:500]}")

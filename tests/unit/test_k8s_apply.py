@@ -89,6 +89,22 @@ def test_the_applier_patches_exactly_the_rayservice_and_only_on_change(sa_dir: P
     assert api.calls[-1][0] == "PATCH" and api.current == serve_config_v2(seed, seed)
 
 
+def test_an_edited_config_applied_by_the_operator_is_not_patched_back(sa_dir: Path) -> None:
+    """The operator applied a re-rendered, edited config (gateway retries 2 -> 5) while a canary ran:
+    its controller application's args differ from this controller's, so this one leaves the
+    RayService as it is (Serve restarts the controller with the new config)."""
+    seed, live = _step()
+    edited = seed.model_copy(update={"gateway": seed.gateway.model_copy(update={"retries": 5})})
+    api = FakeApi(serve_config_v2(edited, edited))
+    applier = RayServiceApplier(seed, local=None, sa_dir=sa_dir, transport=httpx.MockTransport(api))
+    with pytest.raises(RuntimeError, match="holds another stack config than this controller's"):
+        applier.apply(live)
+    assert [c[0] for c in api.calls] == ["GET"] and api.current == serve_config_v2(edited, edited)
+    restarted = RayServiceApplier(edited, local=None, sa_dir=sa_dir, transport=httpx.MockTransport(api))
+    restarted.apply(with_live(edited, {seed.models[0].name: [(seed.models[0].live_version, 90), ("v9", 10)]}))
+    assert api.calls[-1][0] == "PATCH" and "retries: 5" in api.current
+
+
 def test_a_refused_patch_is_an_error(sa_dir: Path) -> None:
     seed, live = _step()
     refuse = httpx.MockTransport(
