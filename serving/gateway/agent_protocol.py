@@ -15,6 +15,12 @@ Billing (what :meth:`AgentRequest.tokens` counts against TPM):
   alone would let prefix caching escape the limit.
 - ``count_tokens``, ``/tokenize``, ``/detokenize``: a request against RPM, no tokens (they run no
   generation; :attr:`AgentRequest.bills_tokens` is False).
+
+A stream's usage is final only in its last usage event (Responses: ``response.completed``,
+``.incomplete`` or ``.failed``; Messages: ``message_delta``). A Messages stream's
+``message_start`` reports its input tokens with ``output_tokens: 0``: a stream that ends before
+``message_delta`` is billed those input tokens and, if its client left, its reservation for the
+output (:meth:`serving.gateway.core.Exchange.finish`), so leaving a stream late escapes no tokens.
 """
 
 from __future__ import annotations
@@ -35,25 +41,30 @@ _SHAPES: dict[str, ErrorShape] = {"responses": "responses", "messages": "anthrop
 _LIMIT_FIELD = {"responses": "max_output_tokens", "messages": "max_tokens"}
 _GENERATES = frozenset({"responses", "messages"})
 # the events whose usage is cumulative and final for the whole answer
-_USAGE_EVENTS = {
+_FINAL_USAGE = {
     "responses": (b"response.completed", b"response.incomplete", b"response.failed"),
-    "messages": (b"message_start", b"message_delta"),
+    "messages": (b"message_delta",),
 }
+# the events whose usage counts the input only, before any output (module docstring)
+_INPUT_USAGE = {"messages": (b"message_start",)}
 
 
 class EventTap:
     """Pass-through of a named-event SSE stream (``event: X\\ndata: {...}\\n\\n``, the format of
     Responses and Messages streams), released at event boundaries, that keeps the usage of the
-    events that carry it (:data:`_USAGE_EVENTS`) and, for Responses, the final response object.
-    Messages streams report input tokens in ``message_start`` and the totals in ``message_delta``;
-    the latest value of each field wins."""
+    events that carry it (:data:`_FINAL_USAGE`, :data:`_INPUT_USAGE`) and, for Responses, the
+    final response object. Messages streams report input tokens in ``message_start`` and the
+    totals in ``message_delta``; the latest value of each field wins. :attr:`counts_output` is
+    False until a final usage event came: :attr:`usage` then holds the input tokens only."""
 
-    __slots__ = ("_buf", "_names", "kind", "response", "usage")
+    __slots__ = ("_buf", "_final", "_names", "counts_output", "kind", "response", "usage")
 
     def __init__(self, kind: str) -> None:
         self.kind, self._buf = kind, b""
-        self._names = _USAGE_EVENTS.get(kind, ())
+        self._final = _FINAL_USAGE.get(kind, ())
+        self._names = self._final + _INPUT_USAGE.get(kind, ())
         self.usage: dict[str, Any] | None = None
+        self.counts_output = False
         self.response: dict[str, Any] | None = None  # the Responses stream's final response object
 
     def feed(self, chunk: bytes) -> bytes:
@@ -84,6 +95,7 @@ class EventTap:
             usage = payload.get("usage")
         if isinstance(usage, dict):
             self.usage = {**(self.usage or {}), **{k: v for k, v in usage.items() if v is not None}}
+            self.counts_output = self.counts_output or name in self._final
         if self.kind == "responses" and isinstance(payload.get("response"), dict):
             self.response = payload["response"]
 

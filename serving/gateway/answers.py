@@ -19,10 +19,16 @@ __all__ = ["StreamTap", "Tap", "normalize_upstream_error", "usage_of", "whole_ev
 
 
 class Tap(Protocol):
-    """Event-aligned pass-through of a streamed answer that reads the usage it carries."""
+    """Event-aligned pass-through of a streamed answer that reads the usage it carries.
+
+    ``counts_output``: whether :attr:`usage` counts the output so far (a final or running usage);
+    False while it holds only what the stream reported before its output (the input tokens)."""
 
     @property
     def usage(self) -> dict[str, Any] | None: ...
+
+    @property
+    def counts_output(self) -> bool: ...
 
     def feed(self, chunk: bytes) -> bytes: ...
 
@@ -54,6 +60,7 @@ class StreamTap:
     """
 
     __slots__ = ("_buf", "_choices", "final", "keep_chunk_usage", "strip_usage")
+    counts_output = True  # a chunk's usage is cumulative, its completion tokens included
 
     def __init__(self, strip_usage: bool, keep_chunk_usage: bool = False) -> None:
         self._buf = b""

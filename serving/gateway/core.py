@@ -118,10 +118,15 @@ class Exchange:
         usage = self.tap.usage if self.tap else (usage_of(body) if body and status == 200 else None)
         self.usage = usage if usage is not None else self.counted
         prompt, completion = self.parsed.tokens(self.usage) if self.usage is not None else (0, 0)
-        if self.usage is not None:
-            tokens = prompt + completion
-        else:  # a client that left before any usage came: once an engine may have run, bill the reservation
-            tokens = self.reserved if status == 499 and self.engine_asked else 0
+        tokens = prompt + completion
+        # no usage, or a stream's usage of its input only (a Messages stream's message_start)
+        output_unknown = self.usage is None or (
+            usage is not None and self.tap is not None and not self.tap.counts_output
+        )
+        if output_unknown and status == 499 and self.engine_asked:
+            # a client that left before its output was counted, once an engine may have run: bill
+            # the input known so far and the reservation for the output
+            tokens += self.reserved
         if self.tenant.tpm is not None or self.ticket:
             self.quota.record(self.tenant.name, tokens if self.tenant.tpm is not None else 0, self.ticket)
         m = self.metrics

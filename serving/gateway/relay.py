@@ -168,16 +168,20 @@ class _Broken(Exception):
     """The replica's answer broke after it began (not safe to send again): a 502, replica failed."""
 
 
-async def _unless_dead(coro: Awaitable[T], lease: Lease, first_byte_s: float | None = None) -> T:
+async def _unless_dead(
+    coro: Awaitable[T], lease: Lease, first_byte_s: float | None = None, discard: Callable[[T], None] | None = None
+) -> T:
     """Await ``coro`` unless the leased replica dies first (a dead replica's engine may never
     close its sockets, so waiting on them alone could hang until the upstream timeout) or
-    ``first_byte_s`` passes (then the caller closes the connection and the engine drops it)."""
+    ``first_byte_s`` passes (then the caller closes the connection and the engine drops it).
+    ``discard`` gets a result that came just as the caller was cancelled (nobody takes it on)."""
     work = asyncio.ensure_future(coro)
     death = asyncio.ensure_future(lease.died.wait())
     try:
         done, _ = await asyncio.wait({work, death}, timeout=first_byte_s, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # cancelled (the client left): the upstream request goes too
-        work.cancel()
+        if not work.cancel() and discard is not None and not work.cancelled() and work.exception() is None:
+            discard(work.result())
         raise
     finally:
         death.cancel()
@@ -208,6 +212,9 @@ async def _open(
         except BROKEN as exc:
             resp.close()
             raise _Broken(f"{type(exc).__name__} reading the answer") from exc
+        except BaseException:  # cancelled (the client left, or the try timed out): the engine stops
+            resp.close()
+            raise
         resp.release()
         if resp.status >= 500 and not await _healthy(client, lease):
             raise _RetryableFailure(f"replica answered {resp.status} and then failed its health check")
@@ -228,8 +235,11 @@ async def _first_chunk(resp: aiohttp.ClientResponse) -> bytes:
     try:
         return await resp.content.readany()
     except BROKEN as exc:  # the stream's head came, its first event did not: nothing sent yet
-        resp.close()
         raise _RetryableFailure(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _close_opened(opened: tuple[aiohttp.ClientResponse, bytes | None]) -> None:
+    opened[0].close()
 
 
 class _Cleanup:
@@ -333,7 +343,8 @@ async def forward(
             release_slot()
             raise
         try:
-            resp, data = await _unless_dead(_open(client, lease, path, body, request_id, stream), lease, first_byte_s)
+            opening = _open(client, lease, path, body, request_id, stream)
+            resp, data = await _unless_dead(opening, lease, first_byte_s, discard=_close_opened)
             headers = {"content-type": resp.headers.get("content-type", "application/json")}
             if data is not None:
                 release_slot()
@@ -346,7 +357,7 @@ async def forward(
                 )
             try:
                 first = await _unless_dead(_first_chunk(resp), lease, first_byte_s)
-            except _RetryableFailure:
+            except BaseException:  # retried, or the client left: the engine sees the connection close now
                 resp.close()
                 raise
         except _RetryableFailure as exc:

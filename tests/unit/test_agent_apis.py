@@ -101,7 +101,7 @@ def test_the_responses_tap_passes_bytes_and_keeps_the_final_usage_and_response()
     )
     tap = EventTap("responses")
     out = b"".join(tap.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)) + tap.flush()
-    assert out == stream and tap.response == final and tap.usage == final["usage"]
+    assert out == stream and tap.response == final and tap.usage == final["usage"] and tap.counts_output
     req = parse_agent_request(b'{"model":"m","input":"x","stream":true}', "responses")
     assert req.tokens(final["usage"]) == (7, 3) and req.reserve_tokens(512) == 512
 
@@ -124,7 +124,9 @@ def test_messages_bill_every_usage_field_and_count_tokens_bills_none() -> None:
         ),
     )
     tap = EventTap("messages")
-    assert tap.feed(stream) == stream and tap.usage is not None
+    head = stream.index(b"event: content_block_delta")  # message_start's usage counts no output yet
+    assert tap.feed(stream[:head]) == stream[:head] and tap.usage is not None and not tap.counts_output
+    assert tap.feed(stream[head:]) == stream[head:] and tap.counts_output
     req = parse_agent_request(b'{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"x"}]}', "messages")
     assert req.tokens(tap.usage) == (2 + 16 + 1, 5) and req.reserve_tokens(512) == 8 and req.error_shape == "anthropic"
     count = parse_agent_request(b'{"model":"m","messages":[{"role":"user","content":"x"}]}', "count_tokens")

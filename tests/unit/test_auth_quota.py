@@ -96,6 +96,43 @@ def test_quota_actor_counts_survive_a_restart_through_its_checkpoint() -> None:
     assert again.admit("u", None, 100, 3600).remaining_tokens == 100 - 10 - 40
 
 
+def test_tickets_issued_after_a_restart_are_new_and_only_their_tenant_settles_them() -> None:
+    kv = MemoryKV()
+    first = QuotaActor(kv, checkpoint_s=0)
+    first.admit("x", None, 1000, 60, 100, True, 1)
+    assert first.checkpoint()
+    lost = first.admit("a", None, 1000, 60, 500, True, 1)  # admitted after the last checkpoint
+    again = QuotaActor(kv, checkpoint_s=0)  # what Ray's restart runs
+    b = again.admit("b", None, 1000, 60, 500, True, 1)  # another tenant's stream, still running
+    assert b.allowed and b.ticket not in (0, lost.ticket)
+    again.record("a", 0, 60, ticket=lost.ticket)  # a's request ends and settles its ticket
+    again.record("a", 0, 60, ticket=b.ticket)  # even naming b's ticket: not a's to settle
+    assert again.counter.streams("b") == 1 and again.counter.reserved("b", time.time()) == 500
+    assert again.admit("b", None, 1000, 60, 500, True, 1).reason == "streams"  # max_streams holds
+    again.record("b", 0, 60, ticket=b.ticket)
+    assert again.counter.streams("b") == 0 and again.counter.reserved("b", time.time()) == 0
+
+
+def test_a_ticket_restored_from_a_checkpoint_is_held_minutes_not_an_hour() -> None:
+    kv = MemoryKV()
+    first = QuotaActor(kv, checkpoint_s=0)
+    ended = first.admit("c", None, None, 60, 0, True, 1)
+    running = first.admit("d", None, 1000, 60, 500, True, 1)
+    assert first.checkpoint()
+    first.record("c", 0, 60, ticket=ended.ticket)  # the stream ends; the actor dies before its next checkpoint
+    again = QuotaActor(kv, checkpoint_s=0)
+    now = time.time()
+    # both restored (either may be a stream still running): held, and the running one is settled as usual
+    assert again.counter.streams("c") == 1 and again.admit("c", None, None, 60, 0, True, 1).reason == "streams"
+    again.record("d", 10, 60, ticket=running.ticket)
+    assert again.counter.streams("d") == 0 and again.counter.reserved("d", now) == 0
+    # the one whose settle call was lost goes within minutes (RESTORED_HOLD_S), not after hold_s (an hour)
+    later = now + 600
+    assert again.counter.admit("c", None, None, 60, later, stream=True, max_streams=1).allowed
+    # a ticket issued since is held the whole hold_s
+    assert again.counter.admit("c", None, None, 60, later + 600, stream=True, max_streams=1).reason == "streams"
+
+
 class _Call:
     def __init__(self, fn: Any) -> None:
         self.remote = fn

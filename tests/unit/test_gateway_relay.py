@@ -1,7 +1,7 @@
 """The gateway's relay, end to end on loopback: a real uvicorn listener serving the gateway app,
 a real HTTP replica streaming SSE (aiohttp), real sockets in between. What it pins down: the
-bytes arrive as the replica sent them (usage hidden unless asked), and a client that goes away
-mid-stream ends the replica's request and releases the replica at once."""
+bytes arrive as the replica sent them (usage hidden unless asked), and a client that goes away,
+mid-stream or before the first event, ends the replica's request and releases the replica at once."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import pytest
 from aiohttp import web
 
 from loadtests.relay import OneReplica
@@ -57,9 +58,30 @@ class Replica:
         return resp
 
 
+class SlowFirstEvent:
+    """A replica that sends its response head at once and no event for a long while (a long
+    prefill), watching its connection: ``closed_after`` holds how long after the head it closed."""
+
+    def __init__(self) -> None:
+        self.closed_after: list[float] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while loop.time() - start < 10:
+            transport = request.transport
+            if transport is None or transport.is_closing():  # vLLM aborts a request whose connection closes
+                self.closed_after.append(loop.time() - start)
+                break
+            await asyncio.sleep(0.02)
+        return resp
+
+
 @contextlib.asynccontextmanager
-async def _stack(gap_s: float) -> AsyncIterator[tuple[str, Replica, OneReplica, GatewayCore]]:
-    replica = Replica(gap_s)
+async def _stack(gap_s: float, replica: Any = None) -> AsyncIterator[tuple[str, Any, OneReplica, GatewayCore]]:
+    replica = replica or Replica(gap_s)
     async with http_replica(replica.handle) as replica_url:
         leases = OneReplica(replica_url)
         core = GatewayCore(GatewayConfig(), leases)
@@ -119,3 +141,14 @@ async def test_a_client_that_goes_away_mid_stream_ends_the_replica_request() -> 
         async with httpx.AsyncClient(timeout=10) as c:  # and the gateway serves the next one
             again = await c.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True})
         assert again.status_code == 200 and again.content.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_client_that_goes_away_before_the_first_event_closes_the_replica_connection() -> None:
+    async with _stack(0.0, SlowFirstEvent()) as (url, replica, leases, core):
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=0.3)) as c:
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up waiting; its connection closes
+                await c.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True})
+        # the replica sees its connection close at once (its engine stops), not when garbage is collected
+        await _until(lambda: replica.closed_after != [], 3.0)
+        assert replica.closed_after[0] < 1.5
+        assert leases.released == [False] and core.in_flight["m"] == 0

@@ -1,8 +1,9 @@
 """Whatever ends a request after its admission gives its quota back: the real gateway app and relay
 over a replica on loopback, with the real quota actor in process. A failure after admission, a
 stream cut in the middle of an event and a client that leaves before any replica was found each
-settle the tenant's token reservation and stream slot; bad values of fields the gateway reads
-itself are a 400, not a 500."""
+settle the tenant's token reservation and stream slot; a client that leaves an agent stream before
+its final usage pays its reservation; bad values of fields the gateway reads itself are a 400, not
+a 500."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from serving.control.serve_config import routing_user_config
 from serving.gateway.admission.auth import hash_key
 from serving.gateway.admission.quota import QuotaActor, QuotaClient
 from serving.gateway.api import create_api
+from serving.gateway.conversations import ResponseStoreActor
 from serving.gateway.core import GatewayCore
 from serving.gateway.protocol import parse_request
 from tests.support.actors import LocalActor
@@ -54,7 +56,8 @@ async def _gateway(
     leases: OneReplica, **settings: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, GatewayCore, QuotaActor]]:
     actor = QuotaActor(MemoryKV(), checkpoint_s=0)
-    core = GatewayCore(GatewayConfig(**settings), leases)
+    responses = LocalActor(ResponseStoreActor(MemoryKV(), 0))
+    core = GatewayCore(GatewayConfig(**settings), leases, response_store_actor=responses)
     core.quota = QuotaClient(60, LocalActor(actor))  # kept by reconfigure
     core.reconfigure(routing_user_config(parse_config(STACK)))
     transport = httpx.ASGITransport(app=create_api(core))
@@ -121,6 +124,80 @@ async def test_a_client_that_leaves_before_a_replica_was_found_is_not_billed() -
         _settled(core, actor)
         # nothing was billed: the window's whole budget is left
         assert actor.admit("t", None, 100_000, 60).remaining_tokens == 100_000
+
+
+def _sse(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+# what vLLM sends before the output (Messages: the input tokens; Responses: no usage yet), then a delta
+AGENT_STREAMS = {
+    "/v1/messages": (
+        _sse(
+            "message_start", {"type": "message_start", "message": {"usage": {"input_tokens": 10, "output_tokens": 0}}}
+        ),
+        _sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"text": "x"}}),
+    ),
+    "/v1/responses": (
+        _sse("response.created", {"type": "response.created", "response": {"id": "resp_1", "usage": None}}),
+        _sse("response.output_text.delta", {"type": "response.output_text.delta", "delta": "x"}),
+    ),
+}
+
+
+async def _leave_after(core: GatewayCore, path: str, body: dict[str, Any], events: int) -> int:
+    """POST ``body`` to the gateway app as an ASGI server would, disconnecting once ``events``
+    SSE events came; returns how many came."""
+    came, requests, left = [0], [json.dumps(body).encode()], asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if requests:
+            return {"type": "http.request", "body": requests.pop(), "more_body": False}
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        came[0] += message.get("body", b"").count(b"\n\n")
+        if came[0] >= events:
+            left.set()
+
+    headers = [(b"authorization", AUTH["authorization"].encode()), (b"content-type", b"application/json")]
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers, "query_string": b"", "root_path": "",
+             "http_version": "1.1", "scheme": "http", "server": ("gw", 80), "client": ("c", 1)}  # fmt: skip
+    await asyncio.wait_for(create_api(core)(scope, receive, send), 10)
+    return came[0]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "billed"),
+    [
+        ("/v1/messages", {"max_tokens": 40, "messages": [{"role": "user", "content": "1+1="}]}, 10 + 40),
+        ("/v1/responses", {"max_output_tokens": 40, "input": "1+1=", "store": False}, 40),
+    ],
+)
+async def test_a_client_that_leaves_an_agent_stream_before_its_final_usage_pays_its_reservation(
+    path: str, body: dict[str, Any], billed: int
+) -> None:
+    """Messages: the input tokens of message_start and the reservation for the output, never the
+    input alone; Responses: the reservation (no usage comes before response.completed)."""
+    opening, delta = AGENT_STREAMS[path]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            await resp.write(opening)
+            for _ in range(200):  # the final usage event would come after these
+                await resp.write(delta)
+                await asyncio.sleep(0.01)
+        except ConnectionResetError:
+            pass
+        return resp
+
+    async with http_replica(handler, path=path) as url, _gateway(OneReplica(url)) as (c, core, actor):
+        assert await _leave_after(core, path, {"model": "m", "stream": True, **body}, events=5) < 200
+        _settled(core, actor)
+        assert actor.admit("t", None, 100_000, 60).remaining_tokens == 100_000 - billed
 
 
 @pytest.mark.parametrize(

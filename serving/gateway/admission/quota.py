@@ -14,12 +14,22 @@ A reservation that is never settled (its gateway died) lapses after ``hold_s``.
 Streams: a tenant's ``max_streams`` caps its streams in progress across every gateway replica;
 each admitted stream holds a ticket until it ends (the same settle call; lapsing the same way).
 
+Tickets: a ticket's id is a random 63-bit integer, so ids stay unique across the actor's restarts
+(a counter restored from a checkpoint would hand out again the ids issued after it), and a settle
+call frees a ticket only if it names the ticket's tenant.
+
 Failure: admission waits at most ``timeout_s`` for the actor; if it does not answer (dead,
 restarting, overloaded) the request is admitted unchecked (``failure_mode: open``) or refused with
 503 and ``Retry-After`` (``closed``), never a 500; what the actor admits after that (its call was
 queued) is given back when it lands. The actor is restarted by Ray
 (``max_restarts=-1``) and checkpoints its windows and reservations to Ray's key-value store
 every ``CHECKPOINT_S``, reloading them when it starts, so a restart loses at most that much.
+A restored ticket may belong to a request still in progress (it is settled as usual) or to one
+whose settle call came after the checkpoint and was lost: a restored ticket is therefore held
+for at most ``RESTORED_HOLD_S`` more (five minutes, the default ``first_byte_timeout_s``: the
+longest a try may wait for its first byte or its whole non-streamed answer), not ``hold_s``.
+A request still running after that keeps running and its settle call still counts its tokens;
+only its reservation and stream slot are no longer held.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import asyncio
 import json
 import logging
 import math
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -46,6 +57,7 @@ CHECKPOINT_KEY = "quota/state"
 # to the store).
 ON_HEAD = {"node:__internal_head__": 0.001}
 CHECKPOINT_S = 0.5
+RESTORED_HOLD_S = 300.0  # how long a ticket restored from a checkpoint is held at most (docstring)
 
 
 @dataclass(frozen=True)
@@ -68,7 +80,6 @@ class WindowCounter:
         self.hold_s = hold_s
         self._windows: dict[str, tuple[int, int, int]] = {}  # tenant -> (window id, requests, tokens)
         self._tickets: dict[int, tuple[str, int, float, bool]] = {}  # -> (tenant, tokens, lapses at, stream)
-        self._next = 1
 
     def _current(self, tenant: str, window_s: float, now: float) -> tuple[int, int, int]:
         wid = int(now // window_s)
@@ -114,7 +125,7 @@ class WindowCounter:
             reqs += 1
             self._windows[tenant] = (wid, reqs, toks)
             if reserve > 0 or slot:
-                ticket, self._next = self._next, self._next + 1
+                ticket = self._new_ticket()
                 self._tickets[ticket] = (tenant, reserve, now + self.hold_s, slot)
                 held += reserve
         return Admission(
@@ -128,9 +139,21 @@ class WindowCounter:
             ticket=ticket,
         )
 
+    def _new_ticket(self) -> int:
+        """A random id (module docstring: unique across restarts), never 0 (no ticket)."""
+        ticket = 0
+        while not ticket or ticket in self._tickets:
+            ticket = secrets.randbits(63)
+        return ticket
+
     def record(self, tenant: str, tokens: int, window_s: float, now: float, ticket: int = 0) -> None:
-        """Count ``tokens`` used in the current window and give ``ticket``'s reservation back."""
-        self._tickets.pop(ticket, None)
+        """Count ``tokens`` used in the current window and give ``ticket``'s reservation back
+        (only ``tenant``'s: another tenant's ticket is left alone)."""
+        held = self._tickets.get(ticket)
+        if held is not None and held[0] == tenant:
+            del self._tickets[ticket]
+        elif held is not None:
+            logger.warning("quota ticket settled by tenant %s is not its own: kept", tenant)
         wid, reqs, toks = self._current(tenant, window_s, now)
         self._windows[tenant] = (wid, reqs, toks + max(0, tokens))
 
@@ -139,18 +162,20 @@ class WindowCounter:
         return {
             "windows": {t: list(w) for t, w in self._windows.items()},
             "tickets": {str(k): list(v) for k, v in self._tickets.items()},
-            "next": self._next,
         }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], hold_s: float = 3600.0) -> WindowCounter:
+    def from_state(
+        cls, state: dict[str, Any], now: float, hold_s: float = 3600.0, restored_hold_s: float = RESTORED_HOLD_S
+    ) -> WindowCounter:
+        """The counts of :meth:`state`, restored at ``now``: each ticket held for at most
+        ``restored_hold_s`` more (module docstring)."""
         c = cls(hold_s)
         c._windows = {t: (int(w[0]), int(w[1]), int(w[2])) for t, w in state.get("windows", {}).items()}
         c._tickets = {
-            int(k): (str(v[0]), int(v[1]), float(v[2]), bool(v[3]) if len(v) > 3 else False)
+            int(k): (str(v[0]), int(v[1]), min(float(v[2]), now + restored_hold_s), bool(v[3]) if len(v) > 3 else False)
             for k, v in state.get("tickets", {}).items()
         }
-        c._next = int(state.get("next", 1))
         return c
 
 
@@ -187,7 +212,7 @@ class QuotaActor:
         try:
             raw = kv.scan(CHECKPOINT_KEY).get(CHECKPOINT_KEY)
             if raw:
-                self.counter = WindowCounter.from_state(json.loads(raw))
+                self.counter = WindowCounter.from_state(json.loads(raw), time.time())
                 logger.warning("quota counts restored from the checkpoint")
         except Exception as exc:  # noqa: BLE001 - an unreadable checkpoint: start counting afresh
             logger.warning("quota checkpoint not restored: %s", exc)
