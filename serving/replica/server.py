@@ -23,9 +23,9 @@ import asyncio
 import logging
 import os
 import secrets
-import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -37,6 +37,7 @@ from serving.contract import RUNNING_REQUESTS_KEY, Endpoint, LeaseHint
 from serving.replica.adapters import AdapterSet, Registered
 from serving.replica.engine import EngineSpec, engine_environ, single_process, verified_spec, vllm_command
 from serving.replica.engine_main import guarded
+from serving.replica.engine_stop import ENGINE_STOP_S, stop_engine
 from serving.replica.kv_events import KVEventRelay
 from serving.replica.liveness import ONE_TOKEN, PROGRESS_COUNTERS, StallWatch, warm_up
 from serving.replica.node import engine_cores, free_port, node_ip, placement_group_gpus
@@ -44,8 +45,6 @@ from serving.replica.placement import EnginePinning, engine_core_pid
 from serving.waiting import poll
 
 logger = logging.getLogger("ray.serve")
-
-ENGINE_STOP_S = 10.0  # SIGTERM to SIGKILL when vLLM is stopped
 
 __all__ = ["ModelServer", "build_model_server"]
 
@@ -114,6 +113,7 @@ class ModelServer:
         self._probe: asyncio.Task[None] | None = None
         self._load = 0.0  # the engine's running + waiting requests, read every second
         self._draining = False
+        self._publishing = threading.Lock()
         self._kv: contract.KV | None = None
         self.adapters: AdapterSet | None = None
         self._adapter: Any = None  # Serve's multiplexed loader of adapters (LRU per replica)
@@ -150,6 +150,14 @@ class ModelServer:
             logger.info("every core is claimed by an engine: engine and API server unpinned")
 
     def _publish(self) -> None:
+        with self._publishing:  # the drain takes it: no heartbeat in flight writes the record again
+            self._publish_now()
+
+    def _stop_publishing(self) -> None:
+        with getattr(self, "_publishing", threading.Lock()):  # a heartbeat in flight ends first
+            self._draining = True
+
+    def _publish_now(self) -> None:
         if self._kv is not None and self.app is not None and not self._draining and self.proc.poll() is None:
             self._seq += 1
             state = contract.HUNG if self._hung else contract.UP
@@ -273,21 +281,26 @@ class ModelServer:
         return {RUNNING_REQUESTS_KEY: self._load}
 
     def _wait_ready(self) -> None:
+        what = f"vLLM for {self.spec.model}@{self.spec.version}"
         with httpx.Client(timeout=2.0) as client:
 
             def healthy() -> bool:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"vLLM exited with code {self.proc.returncode} during start")
+                    raise RuntimeError(f"{what} exited with code {self.proc.returncode} during start")
                 try:
                     return client.get(f"{self.endpoint.url}/health").status_code == 200
                 except httpx.HTTPError:
                     return False
 
-            if poll(healthy, self.spec.startup_timeout_s, 0.5):
-                logger.info("vLLM ready for %s@%s", self.spec.model, self.spec.version)
-                return
+            try:
+                ready = poll(healthy, self.spec.startup_timeout_s, 0.5)
+            except BaseException:
+                self._stop()  # what of its group still runs (an EngineCore) goes too
+                raise
+            if ready:
+                return logger.info("%s ready", what)
         self._stop()
-        raise TimeoutError(f"vLLM not ready after {self.spec.startup_timeout_s}s")
+        raise TimeoutError(f"{what} not ready after {self.spec.startup_timeout_s}s")
 
     async def lease(self, hint: LeaseHint | None = None) -> AsyncIterator[Endpoint]:
         """Yield this replica's endpoint, then hold the lease open until the caller cancels."""
@@ -329,21 +342,7 @@ class ModelServer:
         relay = getattr(self, "relay", None)
         if relay is not None:
             relay.close_sync()  # the engine's sockets go with it
-        if self.proc.poll() is None and getattr(self, "_hung", None):
-            try:  # a stopped or stuck engine would not act on SIGTERM
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=ENGINE_STOP_S)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        stop_engine(self.proc, hung=bool(getattr(self, "_hung", None)))
         lifeline = getattr(self, "_lifeline", None)
         if lifeline is not None:  # whatever of the engine is left is killed now
             self._lifeline = None
@@ -354,7 +353,7 @@ class ModelServer:
         the gateways time to stop picking it, let the requests they already sent finish (within
         the deployment's graceful_shutdown_timeout_s, less the time to stop vLLM), then stop vLLM."""
         deadline = time.monotonic() + self.spec.shutdown_grace_s - ENGINE_STOP_S - 2
-        self._draining = True  # no heartbeat re-publishes the record from here on
+        await asyncio.to_thread(self._stop_publishing)  # no heartbeat re-publishes the record from here on
         tasks: list[asyncio.Task[None]] = getattr(self, "_tasks", [])
         for task in tasks:
             task.cancel()
@@ -362,16 +361,17 @@ class ModelServer:
         if kv is not None and app is not None:
             try:
                 await asyncio.to_thread(contract.withdraw, kv, app, self.replica)
-                if self.proc.poll() is None and not getattr(self, "_hung", None):  # a hung engine finishes nothing
-                    await asyncio.sleep(2 * contract.REFRESH_S + 0.5)
-                    # a heartbeat that was already in flight may have written the record again
-                    await asyncio.to_thread(contract.withdraw, kv, app, self.replica)
-                    while time.monotonic() < deadline:
+            except Exception as exc:  # noqa: BLE001 - gateways drop a record left stale anyway
+                logger.warning("withdrawing %s: %s", self.replica, exc)
+            if self.proc.poll() is None and not getattr(self, "_hung", None):  # a hung engine finishes nothing
+                await asyncio.sleep(2 * contract.REFRESH_S + 0.5)  # gateways stop picking it
+                while time.monotonic() < deadline and self.proc.poll() is None:
+                    try:
                         if _engine_load(await self._engine_values()) == 0:
                             break
-                        await asyncio.sleep(0.5)
-            except Exception as exc:  # noqa: BLE001 - stop anyway
-                logger.warning("draining %s: %s", self.replica, exc)
+                    except Exception as exc:  # noqa: BLE001 - a slow scrape: its requests may still run
+                        logger.warning("draining %s: %s", self.replica, exc)
+                    await asyncio.sleep(0.5)
         self._stop()
         relay = getattr(self, "relay", None)
         if relay is not None:
