@@ -26,17 +26,20 @@ import logging
 import math
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 __all__ = ["LeaseFile", "LockLost", "StoreLock", "delete_file", "is_local", "read_file", "write_whole"]
 
 log = logging.getLogger("raystack.lease")
 T = TypeVar("T")
+_MEMORY_MUTEX = threading.Lock()  # memory:// lives in this process: one lock serves every lease
 
 
 def is_local(fs: AbstractFileSystem) -> bool:
@@ -84,7 +87,9 @@ class LeaseFile:
 
     @property
     def is_local(self) -> bool:
-        return is_local(self.fs)
+        """Whether a mutex makes the read and write one step: a local disk's ``flock``, or the
+        process's own lock for fsspec's in-process ``memory://`` (tests and single-process use)."""
+        return is_local(self.fs) or type(self.fs) is MemoryFileSystem
 
     @property
     def conditional(self) -> bool:
@@ -101,6 +106,10 @@ class LeaseFile:
         ``flock`` on a local store; nothing on an object store: see the module docstring)."""
         if not self.is_local:
             yield
+            return
+        if type(self.fs) is MemoryFileSystem:
+            with _MEMORY_MUTEX:
+                yield
             return
         os.makedirs(self.folder, exist_ok=True)
         with open(f"{self.folder}/lock.flock", "a") as fh:

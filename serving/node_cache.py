@@ -239,7 +239,7 @@ class VerifiedCache:
         listing: dict[str, int] = {}
         for name, info in store.fs.find(src, detail=True).items():
             rel = str(name)[len(src) :].removeprefix("/")
-            if rel == MANIFEST:
+            if rel == MANIFEST or not rel or str(name).endswith("/"):  # an object store's folder marker
                 continue
             try:
                 check_file_name(rel)

@@ -42,6 +42,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serving.manifest import MANIFEST, Manifest, manifest_sha256
+from serving.store_move import move_into_place
 
 __all__ = [
     "BelowEvalGate",
@@ -272,8 +273,10 @@ class CheckpointStore:
         return sorted(complete, key=_natural_key)
 
     def exists(self, model: str, version: str) -> bool:
-        """Whether anything (complete or not) occupies the version directory."""
-        return bool(self.fs.exists(self.version_path(model, version)))
+        """Whether the name is taken: a complete version, or on a local disk anything in its place
+        (on an object store, files without a manifest are a publish that died; the next takes over)."""
+        final = self.version_path(model, version)
+        return bool(self.fs.isfile(f"{final}/{MANIFEST}") or (self.is_local and self.fs.exists(final)))
 
     def manifest(self, model: str, version: str) -> Manifest:
         """The parsed manifest; raises :class:`VersionNotFound` or :class:`IncompleteVersion`."""
@@ -315,7 +318,8 @@ class CheckpointStore:
 
     def _remote_files(self, path: str) -> Iterator[str]:
         for full in self.fs.find(path):
-            yield full[len(path) :].lstrip("/")
+            if not full.endswith("/"):  # an object store's folder marker
+                yield full[len(path) :].lstrip("/")
 
     def verify(self, model: str, version: str, gate: Gate | None = None) -> Manifest:
         """Re-hash every file against the manifest, then apply the eval gate."""
@@ -387,8 +391,6 @@ class CheckpointStore:
                 label = f"{ids['model']}@{ids['version']}"
                 raise VersionExists(f"{label} appeared while publishing: {exc}", **ids) from exc
             return
-        if self.fs.exists(final):
-            raise VersionExists(f"{ids['model']}@{ids['version']} appeared while publishing", **ids)
-        for rel in order:
-            self.fs.makedirs(f"{final}/{rel}".rsplit("/", 1)[0], exist_ok=True)
-            self.fs.mv(f"{tmp}/{rel}", f"{final}/{rel}")
+        why = move_into_place(self.fs, tmp, final, order, f"{ids['model']}@{ids['version']}")
+        if why is not None:
+            raise VersionExists(why, **ids)

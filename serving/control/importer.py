@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from serving.manifest import Manifest
 from serving.redact import redact_uri
@@ -101,9 +102,11 @@ def _fetch_uri(uri: str, into: Path) -> Path:
         path = path.rstrip("/")
         if not fs.isdir(path):
             raise ImportFailed(f"{redact_uri(uri)}: no such folder")
+        if isinstance(fs, LocalFileSystem):  # file://: its links are held to a folder's rules
+            _check_links(Path(path))
         for full in fs.find(path):
             rel = full[len(path) :].lstrip("/")
-            if _visible(Path(rel)):
+            if rel and not full.endswith("/") and _visible(Path(rel)):  # not an object store's folder marker
                 (into / rel).parent.mkdir(parents=True, exist_ok=True)
                 fs.get_file(full, str(into / rel))
     except (OSError, ValueError, ImportError) as exc:  # the store's own errors may quote the URI
@@ -146,7 +149,7 @@ def import_model(
             folder = _fetch_uri(source, Path(tmp) / "staged")
         else:
             log(f"downloading {ref} from the Hugging Face hub ...")
-            folder = _check_links(_fetch_hub(source, Path(tmp) / "hub"))
+            folder = _stage(_check_links(_fetch_hub(source, Path(tmp) / "hub")), Path(tmp) / "staged")
         if not (folder / "config.json").is_file():
             raise ImportFailed(f"{redact_uri(source)}: not a Hugging Face model folder (no config.json)")
         return store.publish(folder, {"model": model, "version": version, "base": {"source": kind, "ref": ref}})

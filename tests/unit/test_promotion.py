@@ -7,7 +7,9 @@ import json
 import secrets
 from pathlib import Path
 
+import fsspec
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from serving.config import PromotionPolicy, load_config
 from serving.control.controller import with_live
@@ -156,10 +158,19 @@ def test_lock_on_s3_is_a_conditional_write(s3_bucket: str) -> None:
     assert not green.held() and blue.acquire()
 
 
+class PlainObjectStore(MemoryFileSystem):
+    """Stands for an object store with no If-Match and no mutex (fsspec's own ``memory://`` gets
+    the process's lock, serving.lease.LeaseFile.mutex)."""
+
+    protocol = ("plainobj",)
+
+
+fsspec.register_implementation("plainobj", PlainObjectStore, clobber=True)
+
+
 def test_lock_on_an_object_store_without_conditional_writes_is_write_then_read_back() -> None:
-    """fsspec's memory store stands for one with no If-Match: the later writer wins, the earlier
-    sees it lost."""
-    c = ControlStore(f"memory://ck-{secrets.token_hex(4)}", "s")
+    """The later writer wins, the earlier sees it lost."""
+    c = ControlStore(f"plainobj://ck-{secrets.token_hex(4)}", "s")
     t = [100.0]
     blue = StoreLock(c.lease, "blue", 30, clock=lambda: t[0], settle_s=0)
     green = StoreLock(c.lease, "green", 30, clock=lambda: t[0], settle_s=0)
