@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,11 +36,16 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-__all__ = ["LeaseFile", "LockLost", "StoreLock", "delete_file", "is_local", "read_file", "write_whole"]
+__all__ = ["LeaseFile", "LockLost", "StoreLock", "delete_file", "holder_name", "is_local", "read_file", "write_whole"]
 
 log = logging.getLogger("raystack.lease")
 T = TypeVar("T")
 _MEMORY_MUTEX = threading.Lock()  # memory:// lives in this process: one lock serves every lease
+
+
+def holder_name() -> str:
+    """Who holds a lease, as its ``holder`` says: this host and process."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def is_local(fs: AbstractFileSystem) -> bool:

@@ -18,14 +18,12 @@ characters, so a file named ``model-*.bin`` would land elsewhere.
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from collections.abc import Sequence
 
 from fsspec import AbstractFileSystem
 
-from serving.lease import LeaseFile, LockLost, StoreLock
+from serving.lease import LeaseFile, LockLost, StoreLock, holder_name
 from serving.manifest import MANIFEST
 
 __all__ = ["PUBLISH_DIR", "move_into_place"]
@@ -43,9 +41,7 @@ def move_into_place(
     :data:`WAIT_S`) or None once it is in place."""
     wait_s = WAIT_S if wait_s is None else wait_s
     model_dir, version = final.rstrip("/").rsplit("/", 1)
-    lock = StoreLock(
-        LeaseFile(fs, f"{model_dir}/{PUBLISH_DIR}/{version}"), f"{socket.gethostname()}:{os.getpid()}", LEASE_TTL_S
-    )
+    lock = StoreLock(LeaseFile(fs, f"{model_dir}/{PUBLISH_DIR}/{version}"), holder_name(), LEASE_TTL_S)
     deadline = time.monotonic() + wait_s
     while not lock.acquire():
         if time.monotonic() > deadline:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +31,7 @@ from ray import serve
 from serving.config import StackConfig
 from serving.control.controller import Controller
 from serving.control.serve_config import build_serve_config
-from serving.lease import StoreLock
+from serving.lease import StoreLock, holder_name
 from serving.manifest import Manifest
 from serving.record import ControlStore
 from serving.registry import CheckpointStore
@@ -192,8 +191,7 @@ def build_controller(cfg: StackConfig, base: Path | None, observe: Any = None) -
 
     root = cfg.store_root(base)
     control = ControlStore(root, cfg.name)
-    holder = f"{socket.gethostname()}:{os.getpid()}"
-    lock = StoreLock(control.lease, holder, cfg.controller.lock_ttl_s)
+    lock = StoreLock(control.lease, holder_name(), cfg.controller.lock_ttl_s)
     if cfg.controller.target == "kubernetes":
         from serving.control.k8s_apply import RayServiceApplier
 

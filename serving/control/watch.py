@@ -239,12 +239,11 @@ def judge(live: VersionStats, new: VersionStats, baseline: VersionStats | None, 
     for q in p.ttft_percentiles:
         tag = f"p{round(q * 100)}"
         n, lv, b = fig[f"new_ttft_{tag}"], fig[f"live_ttft_{tag}"], fig[f"baseline_ttft_{tag}"]
-        against = lv if lv is not None or live.requests > 0 else b
+        against = lv if ref is live else b
         if n is None or against is None:
             continue
         if n > _limit(against, p):
-            what = "live" if lv is not None else "live before the canary"
-            ms = f"{n * 1000:.0f} ms vs {what} {against * 1000:.0f} ms (limit {_limit(against, p) * 1000:.0f} ms)"
+            ms = f"{n * 1000:.0f} ms vs {name} {against * 1000:.0f} ms (limit {_limit(against, p) * 1000:.0f} ms)"
             return Verdict("rollback", f"TTFT {tag} {ms}: the new version is slow", fig)
         if lv is not None and b is not None and lv > _limit(b, p):
             overloaded.append(f"{tag} live {lv * 1000:.0f} ms vs {b * 1000:.0f} ms before the canary")
