@@ -23,11 +23,11 @@ import asyncio
 import logging
 import os
 import secrets
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator
+from subprocess import PIPE, STDOUT, Popen
 from typing import Any
 
 import httpx
@@ -37,6 +37,7 @@ from serving.contract import RUNNING_REQUESTS_KEY, Endpoint, LeaseHint
 from serving.replica.adapters import AdapterSet, Registered
 from serving.replica.engine import EngineSpec, engine_environ, single_process, verified_spec, vllm_command
 from serving.replica.engine_main import guarded
+from serving.replica.engine_output import EngineOutput
 from serving.replica.engine_stop import ENGINE_STOP_S, stop_engine
 from serving.replica.kv_events import KVEventRelay
 from serving.replica.liveness import ONE_TOKEN, PROGRESS_COUNTERS, StallWatch, warm_up
@@ -92,9 +93,10 @@ class ModelServer:
         logger.info("starting vLLM for %s@%s on port %d", self.spec.model, self.spec.version, self.port)
         # New session: the engine's processes die with it when we stop it (killpg).
         try:
-            self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=(watch_fd,))
+            self.proc = Popen(cmd, env=env, start_new_session=True, pass_fds=(watch_fd,), stdout=PIPE, stderr=STDOUT)
         finally:
             os.close(watch_fd)
+        self.output = EngineOutput(self.proc.stdout)  # on to the replica's log; a failed start says why
         # every engine route but /health needs the token (serving.replica.engine_guard), /metrics too
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers={"authorization": f"Bearer {self.token}"})
         self._wait_ready()
@@ -286,7 +288,8 @@ class ModelServer:
 
             def healthy() -> bool:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{what} exited with code {self.proc.returncode} during start")
+                    code = self.proc.returncode
+                    raise RuntimeError(self.output.reason(f"{what} exited with code {code} during start"))
                 try:
                     return client.get(f"{self.endpoint.url}/health").status_code == 200
                 except httpx.HTTPError:
@@ -298,9 +301,10 @@ class ModelServer:
                 self._stop()  # what of its group still runs (an EngineCore) goes too
                 raise
             if ready:
+                self.output.started()
                 return logger.info("%s ready", what)
         self._stop()
-        raise TimeoutError(f"{what} not ready after {self.spec.startup_timeout_s}s")
+        raise TimeoutError(self.output.reason(f"{what} not ready after {self.spec.startup_timeout_s}s"))
 
     async def lease(self, hint: LeaseHint | None = None) -> AsyncIterator[Endpoint]:
         """Yield this replica's endpoint, then hold the lease open until the caller cancels."""
@@ -339,8 +343,7 @@ class ModelServer:
             raise RuntimeError(f"vLLM /health answered {resp.status_code}")
 
     def _stop(self) -> None:
-        relay = getattr(self, "relay", None)
-        if relay is not None:
+        if (relay := getattr(self, "relay", None)) is not None:
             relay.close_sync()  # the engine's sockets go with it
         stop_engine(self.proc, hung=bool(getattr(self, "_hung", None)))
         lifeline = getattr(self, "_lifeline", None)
@@ -373,8 +376,7 @@ class ModelServer:
                         logger.warning("draining %s: %s", self.replica, exc)
                     await asyncio.sleep(0.5)
         self._stop()
-        relay = getattr(self, "relay", None)
-        if relay is not None:
+        if (relay := getattr(self, "relay", None)) is not None:
             await relay.stop()
 
 
