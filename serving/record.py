@@ -138,8 +138,11 @@ class ControlStore:
         raw = self._read("live.json")
         if raw is None:
             return {}
-        data: dict[str, dict[str, list[dict[str, Any]]]] = json.loads(raw)
-        return {m: [LiveVersion.model_validate(v) for v in vs] for m, vs in data["models"].items()}
+        data = json.loads(raw)
+        models = data.get("models") if isinstance(data, dict) else None
+        if not isinstance(models, dict) or not all(isinstance(vs, list) for vs in models.values()):
+            raise ValueError(f'{self.base}/live.json is not {{"models": {{model: [versions]}}}}')
+        return {str(m): [LiveVersion.model_validate(v) for v in vs] for m, vs in models.items()}
 
     def set_live(self, model: str, versions: Sequence[LiveEntry]) -> None:
         """Record ``model``'s versions and weights, keeping every other model's as they are now. A

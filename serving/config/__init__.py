@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from serving.config.base import IMAGE_RE, ConfigError, Strict, read_yaml, validation_message
+from serving.config.base import IMAGE_RE, ConfigError, Strict, check_model_name, read_yaml, validation_message
+from serving.config.checks import check_admin_keys, check_ports, check_store_protocol
 from serving.config.cluster import (
     LOCAL_RAY_LOOPBACK,
     ControllerConfig,
@@ -70,8 +71,14 @@ __all__ = [
 class StackConfig(Strict):
     """A whole environment: gateway plus models."""
 
-    name: str = Field("local", description="Stack name: local state in .run/<name>.*.")
-    checkpoint_root: str = Field("checkpoints", description="Local path or fsspec URI.")
+    name: str = Field(
+        "local",
+        description="Stack name (the rule of model names): local state in .run/<name>.*, the promotion "
+        "record in <checkpoint_root>/.control/<name>/.",
+    )
+    checkpoint_root: str = Field(
+        "checkpoints", description="Local path or fsspec URI (its filesystem package installed where it is read)."
+    )
     gateway: GatewayConfig = Field(GatewayConfig(), description="The OpenAI-compatible ingress.")
     auth: AuthConfig = Field(description="Required: keys and tenants, or an explicit `mode: open`.")
     local_ray: LocalRayConfig = Field(LocalRayConfig(), description="Only for `serving up`.")
@@ -79,6 +86,22 @@ class StackConfig(Strict):
     kubernetes: KubernetesConfig = Field(KubernetesConfig(), description="Only for `serving render-k8s`.")
     controller: ControllerConfig = Field(ControllerConfig(), description="The promotion controller.")
     models: list[ModelConfig] = Field(min_length=1, description="Models served at the same time.")
+
+    @field_validator("name")
+    @classmethod
+    def _stack_name(cls, v: str) -> str:
+        return check_model_name(v, "the stack name")  # a part of file paths
+
+    @field_validator("checkpoint_root")
+    @classmethod
+    def _store_protocol(cls, v: str) -> str:
+        return check_store_protocol(v)
+
+    @model_validator(mode="after")
+    def _apart(self) -> StackConfig:
+        check_ports(self.gateway, self.local_ray)
+        check_admin_keys(self.auth, self.controller)
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> StackConfig:

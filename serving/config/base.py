@@ -24,10 +24,11 @@ __all__ = [
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 
 
-def check_model_name(v: str) -> str:
-    """Model and tenant names: they become Serve app names, metric labels and K8s-safe ids."""
+def check_model_name(v: str, what: str = "name") -> str:
+    """Model, alias, tenant and stack names: they become Serve app names, metric labels, K8s-safe
+    ids and parts of file paths."""
     if not NAME_RE.match(v):
-        raise ValueError("name must be 1-40 chars of lower-case letters, digits and '-'")
+        raise ValueError(f"{what} must be 1-40 chars of lower-case letters, digits and '-'")
     return v
 
 
@@ -75,19 +76,34 @@ def validation_message(source: str, what: str, exc: ValidationError, data: objec
 
 
 def read_yaml(path: Path, error: type[Exception], missing: str) -> object:
-    """The parsed YAML of ``path``; a missing file or bad YAML raise ``error`` naming the file."""
+    """The parsed YAML of ``path``; a missing, unreadable or non-UTF-8 file or bad YAML raise
+    ``error`` naming the file."""
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise error(f"{path}: {missing}") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory, not a YAML file") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text (byte {exc.start}): not a YAML file") from None
     except yaml.YAMLError as exc:
         raise error(f"{path}: not valid YAML: {exc}") from None
 
 
+# what `serving keys new` and `serving keys hash` print: sha256$<hex salt>$<hex digest of salt + key>
+KEY_HASH_RE = re.compile(r"^sha256\$[0-9a-f]{8,}\$[0-9a-f]{64}$")
+KEY_HASH_FORM = "sha256$<salt: 8 or more lower-case hex digits>$<64 lower-case hex digits>"
+
+
 def check_key_hashes(v: list[str]) -> list[str]:
-    """API key hashes as `serving keys new` prints them."""
-    for h in v:
-        parts = h.split("$")
-        if len(parts) != 3 or parts[0] != "sha256" or len(parts[2]) != 64:
-            raise ValueError("key hashes look like sha256$<salt>$<64 hex> (serving keys new)")
+    """API key hashes as `serving keys new` and `serving keys hash` print them."""
+    for i, h in enumerate(v):
+        if not KEY_HASH_RE.match(h):
+            # the entry itself is not repeated: it may be a key pasted by mistake
+            raise ValueError(
+                f"entry {i} is no key hash: key hashes look like {KEY_HASH_FORM}; make one with "
+                "`serving keys hash --from-env VAR` (an existing key) or `serving keys new`"
+            )
     return v

@@ -126,7 +126,9 @@ class ControllerConfig(Strict):
         "on the gateway; no tenant key can. Without an admin key the route answers 404.",
     )
     admin_key_env: str | None = Field(
-        None, description="Environment variable holding an admin key (e.g. from a K8s Secret)."
+        None,
+        description="Environment variable holding an admin key (e.g. from a K8s Secret); not a tenant's "
+        "key_env nor client_key_env.",
     )
     admin_timeout_s: float = Field(
         5.0, gt=0, le=60, description="Longest wait of `GET /admin/promotions` for the store; then 503."
@@ -136,6 +138,15 @@ class ControllerConfig(Strict):
     @classmethod
     def _admin_hash_format(cls, v: list[str]) -> list[str]:
         return check_key_hashes(v)
+
+    @model_validator(mode="after")
+    def _admin_key_apart(self) -> ControllerConfig:
+        if self.admin_key_env and self.admin_key_env == self.client_key_env:
+            raise ValueError(
+                f"admin_key_env and client_key_env are both {self.admin_key_env!r}: the admin key must be "
+                "no client's key (client_key_env is a tenant's key)"
+            )
+        return self
 
     @property
     def has_admin_key(self) -> bool:

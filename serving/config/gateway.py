@@ -26,6 +26,15 @@ class ResponseStoreConfig(Strict):
     )
     timeout_s: float = Field(2.0, gt=0, le=60, description="Longest wait for the store's answer; then 503.")
 
+    @model_validator(mode="after")
+    def _one_fits(self) -> ResponseStoreConfig:
+        if self.max_response_bytes > self.max_bytes_per_tenant:
+            raise ValueError(
+                f"max_response_bytes ({self.max_response_bytes}) is over max_bytes_per_tenant "
+                f"({self.max_bytes_per_tenant}): one response could not be kept without evicting every other"
+            )
+        return self
+
 
 class GatewayConfig(Strict):
     """The OpenAI-compatible ingress."""
@@ -51,7 +60,9 @@ class GatewayConfig(Strict):
     )
     num_replicas: int = Field(1, ge=1, description="Fixed gateway replicas (ignored if autoscaling).")
     autoscaling: AutoscalingConfig | None = Field(
-        None, description="Scale gateway replicas on their own in-flight requests."
+        None,
+        description="Scale gateway replicas on their own in-flight requests (min_replicas at least 1 with "
+        "ingress listener).",
     )
     num_cpus: float = Field(0.5, gt=0, description="Logical CPUs reserved per gateway replica.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Larger request bodies get 413.")
@@ -129,6 +140,11 @@ class GatewayConfig(Strict):
     def _ports(self) -> GatewayConfig:
         if self.ingress == "listener" and self.serve_proxy_port == self.port:
             raise ValueError("proxy_port must differ from port (the gateway replicas listen on port)")
+        if self.ingress == "listener" and self.autoscaling and self.autoscaling.min_replicas < 1:
+            raise ValueError(
+                "autoscaling.min_replicas must be at least 1 with ingress listener: the gateway replicas "
+                "listen on port themselves, so with none running nothing accepts connections"
+            )
         return self
 
     @property
@@ -194,4 +210,19 @@ class AuthConfig(Strict):
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate tenant name in {names}")
+        # one key, one tenant: a key shared by two would authenticate as either of them
+        env_of: dict[str, str] = {}
+        hash_of: dict[str, str] = {}
+        for t in self.tenants:
+            if t.key_env and env_of.setdefault(t.key_env, t.name) != t.name:
+                raise ValueError(
+                    f"tenants {env_of[t.key_env]!r} and {t.name!r} both have key_env {t.key_env!r}: "
+                    "each tenant needs keys of its own"
+                )
+            for h in t.key_hashes:
+                if hash_of.setdefault(h, t.name) != t.name:
+                    raise ValueError(
+                        f"tenants {hash_of[h]!r} and {t.name!r} both list the key hash {h!r} in key_hashes: "
+                        "each tenant needs keys of its own"
+                    )
         return self

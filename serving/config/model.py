@@ -344,10 +344,11 @@ class ModelConfig(Strict):
     )
     promotion: PromotionPolicy = Field(PromotionPolicy(), description="How new versions are canaried.")
 
-    @field_validator("name")
+    @field_validator("name", "aliases")
     @classmethod
-    def _model_name(cls, v: str) -> str:
-        return check_model_name(v)
+    def _names(cls, v: str | list[str]) -> str | list[str]:
+        """A name and its aliases alike: clients send either in `model`."""
+        return check_model_name(v) if isinstance(v, str) else [check_model_name(a, f"alias {a!r}") for a in v]
 
     @model_validator(mode="after")
     def _adapter(self) -> ModelConfig:

@@ -9,7 +9,7 @@ import functools
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 import yaml
@@ -18,6 +18,7 @@ from rich.console import Console
 from serving.config import ConfigError, ModelConfig, StackConfig, load_config
 from serving.control.serve_config import build_serve_config
 from serving.manifest import manifest_sha256
+from serving.redact import redact_uri
 from serving.replica.engine import OFFLINE_ENV
 
 if TYPE_CHECKING:
@@ -35,19 +36,28 @@ LOCAL_ENV = {**OFFLINE_ENV, "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _load(path: Path, live: bool = True) -> StackConfig:
-    """The stack config; with ``live``, the live versions recorded in the store applied."""
+    """The stack config; with ``live``, the live versions recorded in the store applied. A config
+    or store that cannot be read: its message, exit 2."""
     from serving.control.requests import live_config
 
     try:
         cfg = load_config(path)
-        if not live:
-            return cfg
+    except ConfigError as exc:
+        _fail(str(exc))
+    if not live:
+        return cfg
+    try:
         control = _control(cfg, path)
         _migrate_routes(cfg, control)
         return live_config(cfg, control)
-    except ConfigError as exc:
-        console.print(str(exc), style="red", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+    except (OSError, ValueError, ImportError) as exc:  # a corrupt live.json: a json or pydantic ValueError
+        root = redact_uri(cfg.store_root(path.resolve().parent))
+        _fail(f"{path}: cannot read the promotion record in the checkpoint store {root}: {type(exc).__name__}: {exc}")
+
+
+def _fail(message: str) -> NoReturn:
+    console.print(redact_uri(message), style="red", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
 
 
 def _model(cfg: StackConfig, name: str, path: Path) -> ModelConfig:
@@ -56,8 +66,7 @@ def _model(cfg: StackConfig, name: str, path: Path) -> ModelConfig:
         return cfg.model(name)
     except KeyError:
         names = ", ".join(m.name for m in cfg.models)
-        console.print(f"model {name!r} is not in {path} (its models: {names})", style="red", markup=False)
-        raise typer.Exit(2) from None
+        _fail(f"model {name!r} is not in {path} (its models: {names})")
 
 
 def _migrate_routes(cfg: StackConfig, control: ControlStore) -> None:
@@ -126,7 +135,7 @@ def down(config: Path = ConfigOpt) -> None:
     """Stop the stack and the local Ray head that ``up`` started."""
     from serving.control.stack import stop_stack
 
-    cfg = _load(config)
+    cfg = _load(config, live=False)  # the stack's name only: no store needed
     if not stop_stack(cfg.name, log=console.print):
         console.print(f"no running stack {cfg.name!r}")
 
@@ -136,7 +145,7 @@ def status(config: Path = ConfigOpt) -> None:
     """Show the Serve applications of the running local stack."""
     from serving.control.stack import StackState, serve_status
 
-    cfg = _load(config)
+    cfg = _load(config, live=False)
     state = StackState.load(cfg.name)
     if state is None:
         console.print(f"no running stack {cfg.name!r}")
@@ -154,7 +163,10 @@ def render(config: Path = ConfigOpt, output: Path | None = typer.Option(None, "-
     seed = _load(config, live=False)
     text = yaml.safe_dump(build_serve_config(cfg, config.resolve().parent, seed=seed), sort_keys=False)
     if output:
-        output.write_text(text)
+        try:
+            output.write_text(text)
+        except OSError as exc:
+            _fail(f"cannot write {output}: {exc.strerror or exc}")
     else:
         sys.stdout.write(text)
 
@@ -179,8 +191,7 @@ def promote(
     cfg = _load(config, live=False)
     m = _model(cfg, model, config)
     if not abort and version is None:
-        console.print("give a VERSION to promote, or --abort", style="red")
-        raise typer.Exit(2)
+        _fail("give a VERSION to promote, or --abort")
     overrides: dict[str, object] = {}
     try:
         if steps:
@@ -228,8 +239,7 @@ def rollback(
     cfg = _load(config, live=False)
     deployed = [v.version for v in _model(_load(config), model, config).versions]
     if to is not None and to not in deployed:  # the controller refuses it too
-        console.print(f"{model}@{to} is not deployed ({model} serves {', '.join(deployed)})", style="red", markup=False)
-        raise typer.Exit(2)
+        _fail(f"{model}@{to} is not deployed ({model} serves {', '.join(deployed)})")
     control = _control(cfg, config)
     at, key = submit(control, model, "rollback", to, {})
     _follow(control, model, at, None, True, 120) if control.active(model) else _wait_taken(control, model, key)
@@ -289,8 +299,7 @@ def import_(
     try:
         manifest = import_model(source, store, model, version, log=console.print)
     except (ImportFailed, RegistryError, ValueError, OSError) as exc:
-        console.print(f"import failed: {exc}", style="red", markup=False)
-        raise typer.Exit(2) from None
+        _fail(f"import failed: {exc}")
     size = sum(manifest.sizes.values())
     print(
         f"imported {model}@{version} ({manifest.architecture or 'unknown architecture'}, "
@@ -317,8 +326,7 @@ def render_k8s(
     try:
         paths = stale_k8s(Path("."), env, live) if check else write_k8s(Path("."), env, live)
     except (K8sError, ConfigError) as exc:
-        console.print(str(exc), style="red", markup=False)
-        raise typer.Exit(2) from None
+        _fail(str(exc))
     for p in paths:
         print(p)
     if check and paths:
@@ -346,10 +354,9 @@ def keys_hash(key_env: str = typer.Option(..., "--from-env", help="Env var holdi
 
     from serving.gateway.admission.auth import hash_key
 
-    key = os.environ.get(key_env)
+    key = (os.environ.get(key_env) or "").strip()  # as the gateway reads a key_env (a Secret file's newline)
     if not key:
-        console.print(f"{key_env} is not set")
-        raise typer.Exit(2)
+        _fail(f"{key_env} is not set or empty")
     print(hash_key(key))
 
 

@@ -40,6 +40,13 @@ SERVE_PATCH = "serve-config.yaml"
 IMAGE_TRANSFORMER = "image.yaml"
 BASE_IMAGE = "ghcr.io/raystack/raystack-llm"  # the image name k8s/base and the overlays' patches use
 K8S_HOSTS = ("0.0.0.0", "::")
+# What the manifests under k8s/ hard-code (the serve Service, containerPorts, NetworkPolicies and
+# the serving pods' lifecycle); tests/unit/test_config_checks.py reads them back from the files.
+K8S_MANIFESTS = "k8s/base/namespaced/rayservice.yaml"
+K8S_GATEWAY_PORT = 8000
+K8S_PROXY_PORT = 8001
+K8S_PRESTOP_SLEEP_S = 5
+K8S_TERMINATION_GRACE_S = 90
 
 
 class K8sError(ValueError):
@@ -70,6 +77,34 @@ def _check_for_k8s(cfg: StackConfig, source: str) -> None:
         raise K8sError(
             f"{source}: gateway.host is {cfg.gateway.host!r}; on Kubernetes the Serve proxies must "
             "listen on the pod IP: set gateway.host: 0.0.0.0"
+        )
+    _check_manifest_values(cfg, source)
+
+
+def _check_manifest_values(cfg: StackConfig, source: str) -> None:
+    """The ports and the draining budget the manifests fix: a config that differs would serve
+    where no Service or NetworkPolicy leads, or have its replicas killed mid-drain."""
+    g, sd = cfg.gateway, cfg.shutdown
+    if g.port != K8S_GATEWAY_PORT:
+        raise K8sError(
+            f"{source}: gateway.port is {g.port}; the Kubernetes manifests ({K8S_MANIFESTS}: the serve Service, "
+            f"containerPorts, NetworkPolicies) serve the gateway on {K8S_GATEWAY_PORT}: set gateway.port: "
+            f"{K8S_GATEWAY_PORT}"
+        )
+    if g.ingress == "listener" and g.serve_proxy_port != K8S_PROXY_PORT:
+        raise K8sError(
+            f"{source}: Serve's HTTP proxy port (gateway.proxy_port, default gateway.port + 1) is "
+            f"{g.serve_proxy_port}; the Kubernetes manifests (NetworkPolicies) open {K8S_PROXY_PORT} for it: "
+            f"set gateway.proxy_port: {K8S_PROXY_PORT} or leave it unset"
+        )
+    # the pod's grace covers the preStop sleep (the load balancers' notice) and then Serve's drain
+    need = max(sd.notice_s, K8S_PRESTOP_SLEEP_S) + sd.grace_s
+    if need > K8S_TERMINATION_GRACE_S:
+        raise K8sError(
+            f"{source}: shutdown.notice_s + shutdown.grace_s is {sd.notice_s:g} + {sd.grace_s:g} s (with the "
+            f"manifests' preStop `sleep {K8S_PRESTOP_SLEEP_S}`: {need:g} s); the serving pods' "
+            f"terminationGracePeriodSeconds in {K8S_MANIFESTS} is {K8S_TERMINATION_GRACE_S}: lower shutdown.grace_s "
+            f"to at most {K8S_TERMINATION_GRACE_S - max(sd.notice_s, K8S_PRESTOP_SLEEP_S):g}"
         )
 
 

@@ -1,5 +1,6 @@
 """`serving promote`, `serving promotions` and the live record through the CLI, with the
-controller's decisions run in-process between the commands (tests/unit/test_controller.py's fakes)."""
+controller's decisions run in-process between the commands (tests/unit/test_controller.py's fakes);
+and what the CLI says of a store, config or output file it cannot read or write."""
 
 from __future__ import annotations
 
@@ -100,3 +101,73 @@ def test_rollback_to_a_version_that_is_not_deployed_exits_2_before_submitting(st
     r = _run("rollback", "calc", "--to", "v9", "-c", str(config))
     assert r.exit_code == 2 and "calc@v9 is not deployed (calc serves v1)" in r.output, r.output
     assert not (tmp / "ck" / ".control" / "t" / "requests" / "calc.json").exists()
+
+
+# --- a store or file that cannot be read: a message and exit 2, never a traceback ----------------
+
+
+def test_down_and_status_do_not_read_the_store(stack: tuple[Path, Path]) -> None:
+    tmp, config = stack
+    (tmp / "ck" / ".control" / "t").mkdir(parents=True)
+    (tmp / "ck" / ".control" / "t" / "live.json").write_text("{not json")
+    r = _run("down", "-c", str(config))
+    assert r.exit_code == 0 and "no running stack 't'" in r.output, r.output
+    r = _run("status", "-c", str(config))
+    assert r.exit_code == 1 and "no running stack 't'" in r.output, r.output
+    assert isinstance(r.exception, SystemExit)
+
+
+@pytest.mark.parametrize(
+    ("live", "why"),
+    [
+        (b"{not json", "JSONDecodeError"),
+        (b"\x80\x81", "UnicodeDecodeError"),
+        (b"[]", "is not"),
+        (b'{"modelz": {}}', "is not"),
+        (b'{"models": {"calc": {"version": "v1"}}}', "is not"),
+        (b'{"models": {"calc": [{"version": 5, "weight": "all"}]}}', "ValidationError"),
+        (None, "IsADirectoryError"),
+    ],
+)
+def test_an_unreadable_promotion_record_is_a_clean_exit_2(
+    stack: tuple[Path, Path], live: bytes | None, why: str
+) -> None:
+    tmp, config = stack
+    record = tmp / "ck" / ".control" / "t" / "live.json"
+    record.parent.mkdir(parents=True)
+    record.mkdir() if live is None else record.write_bytes(live)
+    for command in ("render", "validate", "versions calc", "rollback calc"):
+        r = _run(*command.split(), "-c", str(config))
+        assert r.exit_code == 2, (command, r.output)
+        assert f"cannot read the promotion record in the checkpoint store {tmp / 'ck'}" in r.output, r.output
+        assert why in r.output and isinstance(r.exception, SystemExit), r.output
+
+
+def test_render_into_a_missing_folder_is_a_clean_exit_2(stack: tuple[Path, Path]) -> None:
+    tmp, config = stack
+    r = _run("render", "-c", str(config), "-o", str(tmp / "nope" / "x.yaml"))
+    assert r.exit_code == 2 and f"cannot write {tmp / 'nope' / 'x.yaml'}" in r.output, r.output
+    assert isinstance(r.exception, SystemExit)
+
+
+def test_a_config_that_is_a_folder_or_not_utf8_is_a_clean_exit_2(tmp_path: Path) -> None:
+    latin1 = tmp_path / "stack.yaml"
+    latin1.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    for path, why in ((tmp_path, "is a directory"), (latin1, "not UTF-8 text")):
+        r = _run("validate", "-c", str(path))
+        assert r.exit_code == 2 and f"{path}: {why}" in r.output, r.output
+        assert isinstance(r.exception, SystemExit)
+
+
+def test_keys_hash_strips_the_key_as_the_gateway_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    from serving.config import AuthConfig
+    from serving.gateway.admission.auth import Authenticator
+
+    monkeypatch.setenv("RAYSTACK_TEST_KEY", "  sk-from-a-file\n")  # a Secret made from a file
+    r = _run("keys", "hash", "--from-env", "RAYSTACK_TEST_KEY")
+    assert r.exit_code == 0, r.output
+    auth = AuthConfig.model_validate({"tenants": [{"name": "t", "key_hashes": [r.stdout.strip()]}]})
+    assert Authenticator(auth).authenticate("Bearer sk-from-a-file").name == "t"
+    monkeypatch.setenv("RAYSTACK_TEST_KEY", " \n")
+    r = _run("keys", "hash", "--from-env", "RAYSTACK_TEST_KEY")
+    assert r.exit_code == 2 and "RAYSTACK_TEST_KEY is not set or empty" in r.output, r.output
