@@ -9,8 +9,10 @@ it is there while the controller restarts. Nothing is asked of the controller it
 Access is an admin key, never a tenant's: ``controller.admin_key_hashes`` (salted hashes, the
 format of tenants' ``key_hashes``) or ``controller.admin_key_env``, checked by the same
 :class:`~serving.gateway.admission.auth.Authenticator` as tenants' keys. A missing or unknown key
-gets 401, a tenant's key 403. A stack with no admin key has no admin routes: 404, as for any
-unknown path (``auth.mode: open`` does not open them). The store is read in a thread pool of its own
+gets 401, a tenant's key 403. An admin key that is also a tenant's is refused when the gateway
+starts or takes a new tenant list (:func:`~serving.gateway.admission.auth.check_admin_keys`). A
+stack with no admin key has no admin routes: 404, as for any unknown path (``auth.mode: open``
+does not open them). The store is read in a thread pool of its own
 (fsspec calls block; a hung store holds its two threads, never the event loop or its default
 executor), bounded by ``controller.admin_timeout_s``: then 503.
 """
@@ -30,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serving.config import AuthConfig, TenantConfig
 from serving.errors import AuthenticationError, GatewayError, NotFound, PermissionDenied, unavailable
-from serving.gateway.admission.auth import Authenticator
+from serving.gateway.admission.auth import Authenticator, check_admin_keys
 from serving.record import ControlStore, PromotionRecord
 
 logger = logging.getLogger("serving.gateway")
@@ -122,10 +124,14 @@ def add_admin_routes(
     tenants: Callable[[], Authenticator],
     error: Callable[[BaseException, str], Response],
     request_id: Callable[[Request], str],
-) -> None:
-    """Add the admin routes to ``app``. ``tenants`` gives the gateway's current tenant keys (to
-    tell a tenant's key, 403, from an unknown one, 401)."""
+) -> Authenticator | None:
+    """Add the admin routes to ``app``; returns their keys (None: no admin key), which the gateway
+    checks again against each new tenant list. ``tenants`` gives the gateway's current tenant keys
+    (to tell a tenant's key, 403, from an unknown one, 401); raises ValueError if an admin key is
+    one of them."""
     admins = access.authenticator() if access else None
+    if admins is not None:
+        check_admin_keys(admins, tenants())
     # its own threads: a store that hangs holds these two, never the loop's default executor
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="admin-record")
     status = PromotionStatus(ControlStore(access.store_root, access.stack)) if access else None
@@ -172,3 +178,5 @@ def add_admin_routes(
         except GatewayError as exc:
             return error(exc, request_id(request))
         return Response(msgspec.json.encode(body), media_type=_JSON)
+
+    return admins

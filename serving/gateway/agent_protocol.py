@@ -31,6 +31,7 @@ from typing import Any, Literal
 import msgspec
 
 from serving.errors import ErrorShape, InvalidRequest
+from serving.gateway.admission.reserve import chat_bound, reservation
 from serving.gateway.answers import whole_events
 from serving.gateway.protocol import decode_body, type_name
 
@@ -39,6 +40,8 @@ __all__ = ["AgentKind", "AgentRequest", "EventTap", "parse_agent_request"]
 AgentKind = Literal["responses", "messages", "count_tokens", "tokenize", "detokenize"]
 _SHAPES: dict[str, ErrorShape] = {"responses": "responses", "messages": "anthropic", "count_tokens": "anthropic"}
 _LIMIT_FIELD = {"responses": "max_output_tokens", "messages": "max_tokens"}
+# what the engine renders into the prompt (admission reserves their bound: serving.gateway.admission.reserve)
+_PROMPT_FIELDS = {"responses": ("instructions", "input", "tools"), "messages": ("system", "messages", "tools")}
 _GENERATES = frozenset({"responses", "messages"})
 # the events whose usage is cumulative and final for the whole answer
 _FINAL_USAGE = {
@@ -138,11 +141,14 @@ class AgentRequest:
                 break
         return "".join(parts)[:limit]
 
-    def reserve_tokens(self, max_model_len: int) -> int:
+    def reserve_tokens(self, max_model_len: int) -> tuple[int, int]:
+        """As chat's (:meth:`serving.gateway.protocol.ParsedRequest.reserve_tokens`): the prompt
+        fields' bound and one completion of the body's limit (the context length when unset)."""
         field = _LIMIT_FIELD.get(self.kind)
         if field is None:
-            return 0
-        return int(self.body.get(field) or max_model_len)
+            return 0, 0
+        prompt = chat_bound((self.body.get(k) for k in _PROMPT_FIELDS[self.kind]), max_model_len)
+        return reservation([prompt], int(self.body.get(field) or max_model_len), 1, max_model_len)
 
     def with_body(self, body: dict[str, Any]) -> AgentRequest:
         return replace(self, body=body, changed=True)
@@ -192,8 +198,14 @@ def _check(kind: AgentKind, body: dict[str, Any]) -> None:
         if body.get("background"):
             raise InvalidRequest("'background' responses are not supported by this gateway.", param="background")
         prev = body.get("previous_response_id")
-        if prev is not None and not isinstance(prev, str):
-            raise InvalidRequest("'previous_response_id' must be a string", param="previous_response_id")
+        if prev is not None and (not isinstance(prev, str) or not prev):
+            raise InvalidRequest("'previous_response_id' must be a non-empty string", param="previous_response_id")
+        if body.get("store") is not None and not isinstance(body["store"], bool):
+            raise InvalidRequest(f"'store' must be a boolean, not {type_name(body['store'])}", param="store")
+        if body.get("conversation") is not None:  # vLLM would ignore it; the gateway keeps no conversation objects
+            raise InvalidRequest(
+                "'conversation' is not supported by this gateway; use 'previous_response_id'.", param="conversation"
+            )
     elif kind in ("messages", "count_tokens"):
         _require(body, "messages", (list,), "a non-empty array of messages")
         if kind == "messages":

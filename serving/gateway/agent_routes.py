@@ -117,34 +117,38 @@ class ResponsesFlow:
     def _stored(self, response: dict[str, Any], turn: Turn) -> dict[str, Any]:
         return {**response, "previous_response_id": turn.previous_id, "store": turn.store}
 
-    async def _save(self, response: dict[str, Any], turn: Turn, tenant: Tenant) -> None:
+    async def _save(self, response: dict[str, Any], turn: Turn, tenant: Tenant) -> bool:
+        """Whether the response is stored now (it is not when the client said ``store: false``,
+        it is over ``max_response_bytes``, or the store failed)."""
         rid = response.get("id")
         if turn.store and isinstance(rid, str):
             items = turn.items + list(response.get("output") or [])
-            await self.store.put(tenant.name, rid, {"response": response, "items": items})
+            return await self.store.put(tenant.name, rid, {"response": response, "items": items})
+        return False
 
     async def finish(self, result: UpstreamResult, turn: Turn, tenant: Tenant) -> UpstreamResult:
         if result.stream is None:
             if result.status != 200 or not result.body:
                 return result
             response = self._stored(msgspec.json.decode(result.body), turn)
-            await self._save(response, turn, tenant)
+            response["store"] = await self._save(response, turn, tenant)  # what the client may follow up on
             result.body = msgspec.json.encode(response)
             return result
         result.stream = self._storing(result.stream, turn, tenant)
         return result
 
     async def _storing(self, stream: Any, turn: Turn, tenant: Tenant) -> Any:
+        """The stream, restated; the final event says whether its response was really stored."""
         saved = False
         try:
             async for raw in stream:
-                chunk = restate(raw, turn.previous_id, turn.store)
-                if not saved and b"event: response." in chunk:
-                    response = _final_response(chunk)
+                stored = turn.store
+                if not saved and b"event: response." in raw:
+                    response = _final_response(raw)
                     if response is not None:
                         saved = True
-                        await self._save(self._stored(response, turn), turn, tenant)
-                yield chunk
+                        stored = await self._save(self._stored(response, turn), turn, tenant)
+                yield restate(raw, turn.previous_id, stored)
         finally:
             await stream.aclose()
 

@@ -88,7 +88,7 @@ def create_api(
         "/v1/embeddings": Generate(core, "embedding", "/v1/embeddings", rid_header, _error),
     }
     generate |= add_agent_routes(app, core, rid_header, _error)
-    add_admin_routes(app, admin, lambda: core.auth, _error, request_id)
+    core.admins = add_admin_routes(app, admin, lambda: core.auth, _error, request_id)
     for path, handler in generate.items():
         app.router.routes.append(Route(path, handler, methods=["POST"]))
 

@@ -49,8 +49,13 @@ class ResponseLog:
         self._tenants: dict[str, OrderedDict[str, tuple[float, bytes]]] = {}
         self._bytes: dict[str, int] = {}
 
-    def put(self, tenant: str, rid: str, value: bytes, expires: float, max_items: int, max_bytes: int) -> list[str]:
-        """Keep ``value``; returns the ids evicted to make room (oldest first)."""
+    def put(
+        self, tenant: str, rid: str, value: bytes, expires: float, max_items: int, max_bytes: int
+    ) -> list[str] | None:
+        """Keep ``value``; returns the ids evicted to make room (oldest first), or None when
+        ``value`` alone is over ``max_bytes`` (then nothing is kept and nothing evicted)."""
+        if len(value) > max_bytes:
+            return None
         log = self._tenants.setdefault(tenant, OrderedDict())
         self.delete(tenant, rid)
         log[rid] = (expires, value)
@@ -115,13 +120,17 @@ class ResponseStoreActor:
         if sweep_s > 0:
             threading.Thread(target=self._sweep_forever, args=(sweep_s,), daemon=True).start()
 
-    def put(self, tenant: str, rid: str, value: bytes, ttl_s: float, max_items: int, max_bytes: int) -> None:
+    def put(self, tenant: str, rid: str, value: bytes, ttl_s: float, max_items: int, max_bytes: int) -> bool:
+        """Whether ``value`` is kept (not when it alone is over ``max_bytes``)."""
         expires = time.time() + ttl_s
         with self._lock:
             evicted = self.log.put(tenant, rid, value, expires, max_items, max_bytes)
+        if evicted is None:
+            return False
         self._kv.put(_key(tenant, rid), f"{expires:.3f}\n".encode() + value)
         for old in evicted:
             self._kv.delete(_key(tenant, old))
+        return True
 
     def get(self, tenant: str, rid: str) -> bytes | None:
         with self._lock:
@@ -203,11 +212,11 @@ class ResponseStore:
             logger.warning("response %s of tenant %s is over max_response_bytes: not stored", rid, tenant)
             return False
         try:
-            await self._call("put", "put", tenant, rid, value, c.ttl_s, c.max_per_tenant, c.max_bytes_per_tenant)
+            kept = await self._call("put", "put", tenant, rid, value, c.ttl_s, c.max_per_tenant, c.max_bytes_per_tenant)
         except Unavailable:
             return False
-        self._count("put", tenant, "ok")
-        return True
+        self._count("put", tenant, "ok" if kept else "too_large")
+        return bool(kept)
 
     async def get(self, tenant: str, rid: str) -> dict[str, Any] | None:
         raw = await self._call("get", "get", tenant, rid)

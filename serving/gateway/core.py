@@ -15,15 +15,8 @@ from typing import Any
 
 from serving.config import AuthConfig, GatewayConfig
 from serving.contract import LeaseHint
-from serving.errors import (
-    InvalidRequest,
-    NotFound,
-    RateLimited,
-    UpstreamError,
-    sse_error_event,
-    unavailable,
-)
-from serving.gateway.admission.auth import Authenticator, Tenant, tenant_cache_salt
+from serving.errors import InvalidRequest, NotFound, RateLimited, UpstreamError, sse_error_event, unavailable
+from serving.gateway.admission.auth import Authenticator, Tenant, check_admin_keys, tenant_cache_salt
 from serving.gateway.admission.quota import QuotaClient
 from serving.gateway.answers import usage_of
 from serving.gateway.kv_index import KVFeeds
@@ -61,11 +54,11 @@ class Exchange:
         quota: QuotaClient,
         metrics: Any = None,
         ticket: int = 0,
-        reserved: int = 0,
+        reserved: tuple[int, int] = (0, 0),
     ) -> None:
         self.parsed, self.tenant = parsed, tenant
         self.in_flight, self.quota, self.metrics = in_flight, quota, metrics
-        self.ticket, self.reserved = ticket, reserved  # the TPM reservation, settled in finish
+        self.ticket, self.reserved = ticket, reserved  # the TPM reservation (prompt, completion), settled in finish
         self.model, self.version = resolved.model.name, resolved.version.version
         self.pinned = resolved.pinned
         self.started = time.monotonic()
@@ -125,8 +118,10 @@ class Exchange:
         )
         if output_unknown and status == 499 and self.engine_asked:
             # a client that left before its output was counted, once an engine may have run: bill
-            # the input known so far and the reservation for the output
-            tokens += self.reserved
+            # the input known so far and the output's reservation, within the whole reservation
+            # (all of it if no input is known), so the reservation bounds what it is billed
+            whole = sum(self.reserved)
+            tokens = whole if self.usage is None else max(tokens, min(tokens + self.reserved[1], whole))
         if self.tenant.tpm is not None or self.ticket:
             self.quota.record(self.tenant.name, tokens if self.tenant.tpm is not None else 0, self.ticket)
         m = self.metrics
@@ -172,6 +167,7 @@ class GatewayCore:
         self.metrics = metrics
         self.routes = RoutingTable()
         self.auth = Authenticator(AuthConfig(mode="open"))  # replaced by the first reconfigure
+        self.admins: Authenticator | None = None  # the admin routes' keys (set by create_api), no tenant's
         self.quota = QuotaClient(60.0)
         self.in_flight: Counter[str] = Counter()
         self.client = Upstream(
@@ -183,8 +179,11 @@ class GatewayCore:
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Apply the Serve ``user_config`` (a :class:`GatewayRoutes` as JSON) in place."""
         routes = GatewayRoutes.model_validate(user_config)
+        auth = Authenticator(routes.auth)  # raises on a key of two tenants
+        if self.admins is not None:
+            check_admin_keys(self.admins, auth)
         self.routes = RoutingTable.from_routes(routes)
-        self.auth = Authenticator(routes.auth)
+        self.auth = auth
         self.quota = QuotaClient(
             routes.auth.window_s,
             self.quota.actor,
@@ -255,25 +254,25 @@ class GatewayCore:
         request_id: str,
         session_id: str | None = None,
     ) -> tuple[UpstreamResult, dict[str, str]]:
-        """Admit (quota, shedding), forward with failover; returns the result and extra headers."""
+        """Admit (shedding, then quota), forward with failover; returns the result and extra headers."""
         self.check_runner(parsed, resolved, path)
         parsed = self._salted(parsed, tenant)
         if parsed.n > self.settings.max_n:
             raise InvalidRequest(f"'n' must be at most {self.settings.max_n}, got {parsed.n}", param="n")
+        model = resolved.model.name
+        self._shed(model, tenant)  # before the quota: a shed request costs the tenant no RPM
         tpm = tenant.tpm if parsed.bills_tokens else None  # tokenize & co. count as requests only
-        reserve = parsed.reserve_tokens(resolved.model.max_model_len) if tpm is not None else 0
+        reserve = parsed.reserve_tokens(resolved.model.max_model_len) if tpm is not None else (0, 0)
         try:
             limit_headers, ticket = await self.quota.admit(
-                tenant.name, tenant.rpm, tpm, reserve, parsed.stream, tenant.max_streams
+                tenant.name, tenant.rpm, tpm, sum(reserve), parsed.stream, tenant.max_streams
             )
         except RateLimited as exc:
             if self.metrics:
                 self.metrics.rate_limited.inc(tags={"tenant": tenant.name, "limit": str(exc.code)})
             raise
-        model = resolved.model.name
         exchange: Exchange | None = None
         try:  # whatever fails from here on settles the ticket, and the exchange once there is one
-            self._shed(model, tenant)
             if resolved.model.router == "kv_aware" and len(parsed.raw) > KV_INLINE_BYTES:
                 # tokenizing a long prompt takes a while (1 MB: ~0.8 s); every stream waits if it
                 # runs on the event loop

@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from serving.errors import ErrorShape, InvalidRequest
+from serving.gateway.admission.reserve import chat_bound, reservation, text_bounds
 from serving.gateway.answers import StreamTap, Tap
 
 __all__ = ["Forwardable", "ParsedRequest", "decode_body", "parse_request", "type_name"]
@@ -51,7 +52,10 @@ class Forwardable(Protocol):
 
     def prompt_text(self, limit: int = 4096) -> str: ...
 
-    def reserve_tokens(self, max_model_len: int) -> int: ...
+    def reserve_tokens(self, max_model_len: int) -> tuple[int, int]:
+        """(prompt, completion) tokens admission reserves against the tenant's TPM: the most this
+        request may be billed (:mod:`serving.gateway.admission.reserve`)."""
+        ...
 
     def upstream_body(self, name: str) -> bytes: ...
 
@@ -70,6 +74,10 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "seed", "top_logprobs")
 _MAX_TOKEN_ID = 2**63 - 1  # token ids beyond int64 are no engine's: refused here, not crashed on
 _NUM_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+COMPLETION_MAX_TOKENS = 16  # vLLM's CompletionRequest.max_tokens when a request sets none (or null)
+# what a chat template renders into the prompt besides the messages (vLLM passes tools and
+# documents to the template)
+_CHAT_PROMPT = ("messages", "tools", "functions", "documents")
 
 
 @dataclass(frozen=True)
@@ -122,14 +130,22 @@ class ParsedRequest:
         """(prompt, completion) tokens of an OpenAI ``usage`` object."""
         return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
-    def reserve_tokens(self, max_model_len: int) -> int:
-        """Completion tokens this request may use at most: ``n`` x its token limit (the context
-        length when it sets none); what admission reserves against a tenant's TPM. Embeddings
-        generate none: like a prompt's, their input tokens are billed when the answer says them."""
-        if self.kind == "embedding":
-            return 0
-        limit = self.body.get("max_completion_tokens") or self.body.get("max_tokens") or max_model_len
-        return self.n * int(limit)
+    def reserve_tokens(self, max_model_len: int) -> tuple[int, int]:
+        """(prompt, completion) tokens admission reserves against a tenant's TPM, bounded as
+        :mod:`serving.gateway.admission.reserve` says. The completion limit: chat's
+        ``max_completion_tokens`` or ``max_tokens`` (the context length when it sets neither),
+        completions' ``max_tokens`` only (vLLM's ``CompletionRequest`` ignores
+        ``max_completion_tokens``; 16 when absent or null, its default), ``n`` of them per prompt
+        (each string or token-id array of a completions ``prompt`` is one). Embeddings generate
+        nothing: their input is all prompt."""
+        if self.kind == "chat":
+            limit = self.body.get("max_completion_tokens") or self.body.get("max_tokens") or max_model_len
+            prompt = chat_bound((self.body.get(k) for k in _CHAT_PROMPT), max_model_len)
+            return reservation([prompt], int(limit), self.n, max_model_len)
+        if self.kind == "completion":
+            limit = self.body.get("max_tokens") or COMPLETION_MAX_TOKENS
+            return reservation(text_bounds(self.body.get("prompt")), int(limit), self.n, max_model_len)
+        return reservation(text_bounds(self.body.get("input")), 0, 1, max_model_len)
 
     def upstream_body(self, name: str, token_ids: bool = False) -> bytes:
         """The body to forward: ``model`` set to the engine's served name and, for streams, usage

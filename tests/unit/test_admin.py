@@ -127,6 +127,41 @@ async def test_an_admin_key_from_the_environment(tmp_path: Path, monkeypatch: py
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
+@pytest.mark.parametrize("how", ["admin_env_tenant_env", "admin_env_tenant_hash", "admin_hash_tenant_env"])
+def test_an_admin_key_that_is_also_a_tenants_is_refused_at_start(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The config sees names and hashes only: one value under two variables, or a variable whose
+    key a hash of the other side verifies, is found when the gateway reads the keys, whichever
+    comes first (Serve builds the app, then applies the tenant list), and the message names the
+    tenant, never the key."""
+    monkeypatch.setenv("RAYSTACK_ADMIN_KEY", TENANT)
+    monkeypatch.setenv("TEAM_A_KEY", TENANT + "\n")
+    admin = (
+        {"admin_key_hashes": [hash_key(TENANT)]}
+        if how == "admin_hash_tenant_env"
+        else {"admin_key_env": "RAYSTACK_ADMIN_KEY"}
+    )
+    tenant = {
+        "name": "a",
+        **({"key_hashes": [hash_key(TENANT)]} if how == "admin_env_tenant_hash" else {"key_env": "TEAM_A_KEY"}),
+    }
+    stack = _stack(tmp_path, admin=admin, auth={"mode": "keys", "tenants": [tenant]})
+    access, user_config = admin_access(parse_config(stack), None), routing_user_config(parse_config(stack))
+    # the tenant list first (as in scripts and tests), then the app
+    core = GatewayCore(GatewayConfig(), OneReplica("http://unused"))
+    core.reconfigure(user_config)
+    with pytest.raises(ValueError, match="the admin key .* is also the API key of tenant 'a'") as exc:
+        create_api(core, admin=access)
+    assert TENANT not in str(exc.value)
+    # the app first (the Serve deployment), then the tenant list: refused, the open table kept
+    core = GatewayCore(GatewayConfig(), OneReplica("http://unused"))
+    create_api(core, admin=access)
+    with pytest.raises(ValueError, match="the admin key .* is also the API key of tenant 'a'"):
+        core.reconfigure(user_config)
+    assert core.auth.open and not core.routes.models
+
+
 @pytest.mark.parametrize("auth", [None, {"mode": "open"}])
 async def test_without_an_admin_key_the_routes_do_not_exist(tmp_path: Path, auth: dict[str, Any] | None) -> None:
     stack = _stack(tmp_path, admin={}, auth=auth)

@@ -19,7 +19,7 @@ from loadtests.relay import OneReplica
 from serving.config import GatewayConfig, ResponseStoreConfig, parse_config
 from serving.control.serve_config import routing_user_config
 from serving.errors import AuthenticationError, NotFound, RateLimited, Unavailable, sse_error_event, to_response
-from serving.gateway.admission.auth import hash_key
+from serving.gateway.admission.auth import Tenant, hash_key
 from serving.gateway.admission.quota import QuotaActor, QuotaClient
 from serving.gateway.agent_protocol import EventTap, parse_agent_request
 from serving.gateway.api import create_api
@@ -38,8 +38,15 @@ def test_the_log_is_bounded_per_tenant_by_count_bytes_and_time() -> None:
     assert log.count("a") == 3 and log.get("a", "r0", 0) is None and log.get("a", "r3", 0) == b"x" * 10
     assert log.put("a", "big", b"y" * 25, expires=100.0, max_items=10, max_bytes=40) == ["r1", "r2"]
     assert log.get("b", "r3", 0) is None  # another tenant's id is nobody's
+    assert log.put("a", "huge", b"z" * 41, expires=100.0, max_items=10, max_bytes=40) is None  # evicts nothing
+    assert log.count("a") == 2 and log.get("a", "huge", 0) is None
     assert log.get("a", "r3", 100.0) is None  # expired
     assert log.expired(100.0) == [("a", "r3"), ("a", "big")] and log.count("a") == 0
+
+
+def test_a_store_whose_one_response_outgrows_a_tenants_bytes_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"max_response_bytes \(4096\) is over max_bytes_per_tenant \(2048\)"):
+        ResponseStoreConfig(max_response_bytes=4096, max_bytes_per_tenant=2048)
 
 
 def test_stored_responses_survive_an_actor_restart_and_evictions_leave_the_kv() -> None:
@@ -103,7 +110,7 @@ def test_the_responses_tap_passes_bytes_and_keeps_the_final_usage_and_response()
     out = b"".join(tap.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)) + tap.flush()
     assert out == stream and tap.response == final and tap.usage == final["usage"] and tap.counts_output
     req = parse_agent_request(b'{"model":"m","input":"x","stream":true}', "responses")
-    assert req.tokens(final["usage"]) == (7, 3) and req.reserve_tokens(512) == 512
+    assert req.tokens(final["usage"]) == (7, 3) and req.reserve_tokens(512) == (0, 512)
 
 
 def test_messages_bill_every_usage_field_and_count_tokens_bills_none() -> None:
@@ -128,7 +135,11 @@ def test_messages_bill_every_usage_field_and_count_tokens_bills_none() -> None:
     assert tap.feed(stream[:head]) == stream[:head] and tap.usage is not None and not tap.counts_output
     assert tap.feed(stream[head:]) == stream[head:] and tap.counts_output
     req = parse_agent_request(b'{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"x"}]}', "messages")
-    assert req.tokens(tap.usage) == (2 + 16 + 1, 5) and req.reserve_tokens(512) == 8 and req.error_shape == "anthropic"
+    assert (
+        req.tokens(tap.usage) == (2 + 16 + 1, 5)
+        and req.reserve_tokens(512) == (33 + 64, 8)  # its messages as JSON and the template
+        and req.error_shape == "anthropic"
+    )
     count = parse_agent_request(b'{"model":"m","messages":[{"role":"user","content":"x"}]}', "count_tokens")
     assert not count.bills_tokens and count.tokens({"input_tokens": 9}) == (0, 0)
     assert not parse_agent_request(b'{"model":"m","prompt":"x"}', "tokenize").bills_tokens
@@ -139,6 +150,10 @@ def test_messages_bill_every_usage_field_and_count_tokens_bills_none() -> None:
     [
         (b'{"model":"m"}', "responses"),
         (b'{"model":"m","input":"x","background":true}', "responses"),
+        (b'{"model":"m","input":"x","store":"false"}', "responses"),  # kept for a day if read as true
+        (b'{"model":"m","input":"x","store":0}', "responses"),
+        (b'{"model":"m","input":"x","previous_response_id":""}', "responses"),  # not a fresh start, silently
+        (b'{"model":"m","input":"x","conversation":"conv_1"}', "responses"),  # vLLM would ignore it
         (b'{"model":"m","messages":[]}', "messages"),
         (b'{"model":"m","messages":[{"role":"user","content":"x"}]}', "messages"),  # max_tokens required
         (b'{"model":"m","tokens":["a"]}', "detokenize"),
@@ -193,6 +208,23 @@ def test_streamed_response_objects_show_the_clients_conversation_fields() -> Non
     assert restate(delta, "resp_1", True) == delta
 
 
+async def test_a_streamed_answer_the_store_did_not_keep_ends_with_store_false() -> None:
+    from serving.gateway.agent_routes import ResponsesFlow, Turn
+
+    class Refusing:  # full, too large or unavailable: put says it kept nothing
+        async def put(self, tenant: str, rid: str, record: dict[str, Any]) -> bool:
+            return False
+
+    async def upstream() -> AsyncIterator[bytes]:
+        yield b'event: response.created\ndata: {"type":"response.created","response":{"id":"r"}}\n\n'
+        yield b'event: response.completed\ndata: {"type":"response.completed","response":{"id":"r"}}\n\n'
+
+    tenant = Tenant("a", frozenset({"m"}))
+    chunks = [c async for c in ResponsesFlow(Refusing())._storing(upstream(), Turn([], None, True), tenant)]  # type: ignore[arg-type]
+    first, last = (json.loads(c.partition(b"\ndata: ")[2])["response"]["store"] for c in chunks)
+    assert (first, last) == (True, False)
+
+
 # -- the routes in-process ----------------------------------------------------------------------
 
 KEYS = {"a": "sk-a", "b": "sk-b"}
@@ -209,7 +241,9 @@ STACK = {
 
 
 @contextlib.asynccontextmanager
-async def _stack() -> AsyncIterator[tuple[httpx.AsyncClient, list[dict[str, Any]]]]:
+async def _stack(
+    settings: GatewayConfig | None = None,
+) -> AsyncIterator[tuple[httpx.AsyncClient, list[dict[str, Any]]]]:
     """The gateway over a loopback replica that answers Responses and Messages like vLLM and
     records each body it was sent."""
     seen: list[dict[str, Any]] = []
@@ -236,7 +270,7 @@ async def _stack() -> AsyncIterator[tuple[httpx.AsyncClient, list[dict[str, Any]
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     actor = LocalActor(ResponseStoreActor(MemoryKV(), 0))
-    settings = GatewayConfig(expose_replica_header=True)
+    settings = settings or GatewayConfig(expose_replica_header=True)
     core = GatewayCore(settings, OneReplica(url), replica_id="gw-1", response_store_actor=actor)
     core.quota = QuotaClient(60, LocalActor(QuotaActor(MemoryKV(), checkpoint_s=0)))  # kept by reconfigure
     core.reconfigure(routing_user_config(parse_config(STACK)))
@@ -277,6 +311,17 @@ async def test_the_gateway_keeps_responses_per_tenant_and_expands_follow_ups() -
         )
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "previous_response_id"
         assert len(seen) == 2  # neither a retrieval nor an unknown follow-up reached the engine
+
+
+async def test_an_answer_too_large_to_store_says_store_false() -> None:
+    a = {"authorization": f"Bearer {KEYS['a']}"}
+    settings = GatewayConfig(responses=ResponseStoreConfig(max_response_bytes=1024))
+    async with _stack(settings) as (c, _):
+        small = await c.post("/v1/responses", json={"model": "m", "input": "1+1="}, headers=a)
+        assert small.json()["store"] is True and (await c.get("/v1/responses/resp_1", headers=a)).status_code == 200
+        large = await c.post("/v1/responses", json={"model": "m", "input": "x" * 2000}, headers=a)
+        assert large.status_code == 200 and large.json()["store"] is False  # nothing to follow up on
+        assert (await c.get("/v1/responses/resp_2", headers=a)).status_code == 404
 
 
 async def test_messages_routes_answer_in_anthropics_shape_with_either_key_header() -> None:

@@ -37,6 +37,44 @@ def test_hashed_and_env_keys(monkeypatch: pytest.MonkeyPatch) -> None:
             auth.authenticate(bad)
 
 
+def _tenants(*tenants: dict[str, Any], mode: str = "keys") -> AuthConfig:
+    return AuthConfig.model_validate({"mode": mode, "tenants": list(tenants)})
+
+
+@pytest.mark.parametrize("how", ["env_and_env", "env_and_hash", "hash_and_env"])
+def test_a_key_of_two_tenants_is_refused_at_start_naming_them_never_the_key(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two variables holding one value, or a variable holding a key another tenant's hash
+    verifies: which tenant it authenticates as would depend on the order of the checks."""
+    key = new_key()
+    monkeypatch.setenv("TEAM_A_KEY", key)
+    monkeypatch.setenv("TEAM_B_KEY", key + "\n")  # a Secret made from a file: the same key
+    a = {"name": "a", "models": ["small"], "rpm": 5}
+    b = {"name": "b", "models": ["*"]}
+    a |= {"key_hashes": [hash_key(key)]} if how == "hash_and_env" else {"key_env": "TEAM_A_KEY"}
+    b |= {"key_hashes": [hash_key(key)]} if how == "env_and_hash" else {"key_env": "TEAM_B_KEY"}
+    with pytest.raises(ValueError, match="tenants 'a' .* and 'b' .* have the same API key") as exc:
+        Authenticator(_tenants(a, b))
+    assert key not in str(exc.value) and key[-12:] not in str(exc.value)
+
+
+def test_keys_of_one_tenant_may_repeat_and_open_mode_checks_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    key, other = new_key(), new_key()
+    monkeypatch.setenv("TEAM_A_KEY", key)
+    monkeypatch.setenv("TEAM_B_KEY", other)
+    auth = Authenticator(
+        _tenants(
+            {"name": "a", "key_env": "TEAM_A_KEY", "key_hashes": [hash_key(key)]},
+            {"name": "b", "key_env": "TEAM_B_KEY"},
+        )
+    )
+    assert auth.authenticate(f"Bearer {key}").name == "a" and auth.authenticate(f"Bearer {other}").name == "b"
+    monkeypatch.setenv("TEAM_B_KEY", key)
+    shared = _tenants({"name": "a", "key_env": "TEAM_A_KEY"}, {"name": "b", "key_env": "TEAM_B_KEY"}, mode="open")
+    assert Authenticator(shared).authenticate(None) is ANONYMOUS  # no key is ever checked
+
+
 def test_hash_is_salted_and_not_the_key() -> None:
     k = new_key()
     h1, h2 = hash_key(k), hash_key(k)

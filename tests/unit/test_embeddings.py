@@ -82,10 +82,11 @@ def _e(body: object) -> object:
     return parse_request(json.dumps(body).encode(), "embedding")
 
 
-@pytest.mark.parametrize("inp", ["a cat sits", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
-def test_embedding_inputs_in_openais_four_forms(inp: object) -> None:
+@pytest.mark.parametrize(("inp", "prompt"), [("a cat sits", 14), (["a", "b"], 10), ([1, 2, 3], 3), ([[1, 2], [3]], 3)])
+def test_embedding_inputs_in_openais_four_forms(inp: object, prompt: int) -> None:
     p = _e({"model": "embed", "input": inp})
-    assert p.kind == "embedding" and not p.stream and p.reserve_tokens(256) == 0  # type: ignore[attr-defined]
+    # its input is all prompt: reserved as such (text: its bytes and 4 special tokens; ids: their count)
+    assert p.kind == "embedding" and not p.stream and p.reserve_tokens(256) == (prompt, 0)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(

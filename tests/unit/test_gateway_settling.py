@@ -117,7 +117,8 @@ async def test_a_client_that_leaves_before_a_replica_was_found_is_not_billed() -
         tenant = core.auth.authenticate(f"Bearer {KEY}", None)
         waiting = asyncio.ensure_future(core.complete(body, resolved, tenant, "/v1/chat/completions", "rid"))
         await asyncio.sleep(0.2)
-        assert actor.counter.reserved("t", time.time()) == 40 and actor.counter.streams("t") == 1
+        # the prompt's bound (98 bytes and template) capped at 64 - 40, and the completion's 40
+        assert actor.counter.reserved("t", time.time()) == 24 + 40 and actor.counter.streams("t") == 1
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -172,14 +173,15 @@ async def _leave_after(core: GatewayCore, path: str, body: dict[str, Any], event
     ("path", "body", "billed"),
     [
         ("/v1/messages", {"max_tokens": 40, "messages": [{"role": "user", "content": "1+1="}]}, 10 + 40),
-        ("/v1/responses", {"max_output_tokens": 40, "input": "1+1=", "store": False}, 40),
+        ("/v1/responses", {"max_output_tokens": 40, "input": "1+1=", "store": False}, 24 + 40),
     ],
 )
 async def test_a_client_that_leaves_an_agent_stream_before_its_final_usage_pays_its_reservation(
     path: str, body: dict[str, Any], billed: int
 ) -> None:
     """Messages: the input tokens of message_start and the reservation for the output, never the
-    input alone; Responses: the reservation (no usage comes before response.completed)."""
+    input alone; Responses: the whole reservation, its prompt's share (capped at 64 - 40) and the
+    output's (no usage comes before response.completed)."""
     opening, delta = AGENT_STREAMS[path]
 
     async def handler(request: web.Request) -> web.StreamResponse:

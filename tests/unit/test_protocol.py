@@ -82,11 +82,12 @@ def test_a_stream_counted_from_its_token_ids_asks_only_for_the_final_usage_event
     assert json.loads(q.upstream_body("a", token_ids=True))["stream_options"] == every
 
 
-def test_reservation_is_n_times_the_token_limit() -> None:
-    assert parse_request(b'{"prompt": "1", "max_tokens": 5, "n": 3}', "completion").reserve_tokens(64) == 15
-    assert parse_request(b'{"prompt": "1"}', "completion").reserve_tokens(64) == 64
+def test_reservation_is_the_prompt_and_n_times_the_token_limit() -> None:
+    """(prompt, completion) reserved: the rule's cases are in tests/unit/test_admission.py."""
+    assert parse_request(b'{"prompt": "1", "max_tokens": 5, "n": 3}', "completion").reserve_tokens(64) == (5, 15)
+    assert parse_request(b'{"prompt": "1"}', "completion").reserve_tokens(64) == (5, 16)  # vLLM's default
     chat = parse_request(b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 7}', "chat")
-    assert chat.reserve_tokens(64) == 7
+    assert chat.reserve_tokens(64) == (57, 7)  # the prompt's bound (93) is capped: each sequence fits in 64
 
 
 SSE = (

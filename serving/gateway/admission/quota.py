@@ -5,10 +5,11 @@ no extra service, every gateway replica on any node reaches it, and an admission
 async actor call (about a millisecond). Counting is by fixed windows aligned to the clock, so
 ``x-ratelimit-reset-*`` is simply the time left in the window.
 
-Tokens: admission reserves what a request may use at most (``n`` x ``max_tokens``) and admits it
-only while the window's used plus reserved tokens are below the tenant's TPM, so concurrent
-requests overshoot the limit by at most one reservation; when the request ends the reservation is
-settled: the prompt plus completion tokens actually used are counted and the rest is given back.
+Tokens: admission reserves what a request may be billed at most (its prompt and completions,
+bounded by :mod:`.reserve`) and admits it only while the window's used plus reserved tokens are
+below the tenant's TPM, so a window bills less than the TPM plus one reservation, as long as no
+request uses more than it reserved; when the request ends the reservation is settled: the prompt
+plus completion tokens actually used are counted and the rest is given back.
 A reservation that is never settled (its gateway died) lapses after ``hold_s``.
 
 Streams: a tenant's ``max_streams`` caps its streams in progress across every gateway replica;
