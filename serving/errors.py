@@ -162,15 +162,19 @@ def to_response(exc: BaseException, request_id: str, shape: ErrorShape = "openai
     return ErrorResponse(500, error_body(message, "server_error", None, None))
 
 
-def sse_error_event(exc: BaseException, request_id: str, shape: ErrorShape = "openai") -> bytes:
+def sse_error_event(
+    exc: BaseException, request_id: str, shape: ErrorShape = "openai", sequence_number: int = 0
+) -> bytes:
     """The final SSE event of a stream that failed after its first byte: OpenAI's chat streams
     end with the error body and ``[DONE]``; Responses and Anthropic streams with an ``error`` event
-    in their own format."""
+    in their own format (a Responses event numbered ``sequence_number``, the one after the last
+    event the client got)."""
     resp = to_response(exc, request_id, shape)
     if shape == "anthropic":
         return b"event: error\ndata: " + resp.body + b"\n\n"
     if shape == "responses":
         err = msgspec.json.decode(resp.body)["error"]
         event = {"type": "error", "code": err["code"] or err["type"], "message": err["message"], "param": None}
+        event["sequence_number"] = sequence_number
         return b"event: error\ndata: " + msgspec.json.encode(event) + b"\n\n"
     return b"data: " + resp.body + b"\n\ndata: [DONE]\n\n"

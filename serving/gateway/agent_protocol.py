@@ -25,6 +25,7 @@ output (:meth:`serving.gateway.core.Exchange.finish`), so leaving a stream late 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -50,6 +51,7 @@ _FINAL_USAGE = {
 }
 # the events whose usage counts the input only, before any output (module docstring)
 _INPUT_USAGE = {"messages": (b"message_start",)}
+_SEQUENCE = b'"sequence_number":'
 
 
 class EventTap:
@@ -60,7 +62,7 @@ class EventTap:
     totals in ``message_delta``; the latest value of each field wins. :attr:`counts_output` is
     False until a final usage event came: :attr:`usage` then holds the input tokens only."""
 
-    __slots__ = ("_buf", "_final", "_names", "counts_output", "kind", "response", "usage")
+    __slots__ = ("_buf", "_final", "_names", "counts_output", "kind", "response", "sequence", "usage")
 
     def __init__(self, kind: str) -> None:
         self.kind, self._buf = kind, b""
@@ -69,11 +71,17 @@ class EventTap:
         self.usage: dict[str, Any] | None = None
         self.counts_output = False
         self.response: dict[str, Any] | None = None  # the Responses stream's final response object
+        self.sequence = -1  # the last ``sequence_number`` a Responses event carried
 
     def feed(self, chunk: bytes) -> bytes:
         out, self._buf = whole_events(self._buf, chunk)
         if not out:
             return b""
+        if self.kind == "responses":  # an error event the gateway ends a stream with comes next in order
+            at = out.rfind(_SEQUENCE)
+            if at >= 0:
+                digits = re.match(rb"\s*(\d+)", out[at + len(_SEQUENCE) :])
+                self.sequence = int(digits.group(1)) if digits else self.sequence
         if b'"usage"' in out:
             for ev in out.split(b"\n\n"):
                 self._read(ev)

@@ -96,6 +96,7 @@ class Exchange:
             UpstreamError("The model replica failed while streaming; the response is incomplete."),
             request_id,
             self.parsed.error_shape,
+            getattr(self.tap, "sequence", -1) + 1,
         )
 
     def retried(self) -> None:

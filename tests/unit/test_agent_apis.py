@@ -18,7 +18,15 @@ from aiohttp import web
 from loadtests.relay import OneReplica
 from serving.config import GatewayConfig, ResponseStoreConfig, parse_config
 from serving.control.serve_config import routing_user_config
-from serving.errors import AuthenticationError, NotFound, RateLimited, Unavailable, sse_error_event, to_response
+from serving.errors import (
+    AuthenticationError,
+    NotFound,
+    RateLimited,
+    Unavailable,
+    UpstreamError,
+    sse_error_event,
+    to_response,
+)
 from serving.gateway.admission.auth import Tenant, hash_key
 from serving.gateway.admission.quota import QuotaActor, QuotaClient
 from serving.gateway.agent_protocol import EventTap, parse_agent_request
@@ -111,6 +119,15 @@ def test_the_responses_tap_passes_bytes_and_keeps_the_final_usage_and_response()
     assert out == stream and tap.response == final and tap.usage == final["usage"] and tap.counts_output
     req = parse_agent_request(b'{"model":"m","input":"x","stream":true}', "responses")
     assert req.tokens(final["usage"]) == (7, 3) and req.reserve_tokens(512) == (0, 512)
+
+
+def test_the_error_event_that_ends_a_broken_responses_stream_is_numbered_after_the_last() -> None:
+    tap = EventTap("responses")
+    for n, name in enumerate(("response.created", "response.in_progress", "response.output_text.delta")):
+        tap.feed(_events((name, {"type": name, "sequence_number": n})))
+    event = sse_error_event(UpstreamError("cut"), "rid-1", "responses", tap.sequence + 1)
+    data = json.loads(event.decode().partition("data: ")[2])
+    assert data["type"] == "error" and data["sequence_number"] == 3  # OpenAI's ResponseErrorEvent requires it
 
 
 def test_messages_bill_every_usage_field_and_count_tokens_bills_none() -> None:
