@@ -158,21 +158,30 @@ def level_row(level: dict[str, Any], cache: dict[str, Any]) -> dict[str, Any]:
 
 
 def median_levels(per_round: list[dict[str, Any]]) -> dict[str, Any]:
-    """One level's row over several rounds: the median of every numeric figure (failures summed),
-    each round's requests/s and TTFT p50 kept."""
+    """One level's row over several rounds: the median of every numeric figure over the rounds
+    that have it (failures summed), each round's requests/s and TTFT p50 kept; ``figure_rounds``
+    (only when some round lacks a figure, e.g. no TTFT where every request failed) how many
+    rounds each such median is over."""
     out: dict[str, Any] = {"rounds": len(per_round)}
-    for key, first in per_round[0].items():
+    partial: dict[str, int] = {}
+    for key in dict.fromkeys(k for r in per_round for k in r):
         raw = [r.get(key) for r in per_round]
         if key == "cores_by_group":
             out[key] = median_cores(per_round)
             continue
         values = [v for v in raw if isinstance(v, (int, float))]
-        if isinstance(first, bool) or len(values) != len(raw):
+        if any(isinstance(v, bool) for v in raw) or not values:
+            continue
+        if not all(v is None or isinstance(v, (int, float)) for v in raw):
             continue
         out[key] = sum(values) if key == "failures" else statistics.median(values)
+        if len(values) < len(raw) and key != "failures":
+            partial[key] = len(values)
     out["concurrency"] = per_round[0]["concurrency"]
     out["requests_per_s_rounds"] = [r["requests_per_s"] for r in per_round]
     out["ttft_p50_ms_rounds"] = [r.get("ttft_p50_ms") for r in per_round]
+    if partial:
+        out["figure_rounds"] = partial
     return out
 
 
@@ -186,10 +195,23 @@ def _split(row: dict[str, Any]) -> str:
 def kv_table(results: dict[str, dict[str, list[dict[str, Any]]]], base: str = "power_of_two") -> str:
     """Markdown table: per workload, router and concurrency, requests/s and TTFT p50 (each with
     its ratio to ``base``), TTFT p99, ITL p50, the engines' prefix-cache hit rate, and per engine
-    its share of the queried tokens and its own hit rate (the last only for a single round)."""
+    its share of the queried tokens and its own hit rate (the last only for a single round). "-"
+    for a figure the level lacks (no TTFT when every request failed); a median over fewer rounds
+    than all (``figure_rounds`` of :func:`median_levels`) gets a footnote."""
+    notes: list[str] = []
 
     def ratio(v: float | None, b: float | None) -> str:
         return f" ({v / b:.2f}x)" if v is not None and b else ""
+
+    def fig(row: dict[str, Any], key: str, fmt: str, what: str, then: str = "") -> str:
+        v = row.get(key)
+        if v is None:
+            return "-"
+        have = row.get("figure_rounds", {}).get(key)
+        if not have:
+            return fmt.format(v) + then
+        notes.append(f"[{len(notes) + 1}] {what}: median over {have} of {row['rounds']} rounds (the others lack it)")
+        return fmt.format(v) + then + f" [{len(notes)}]"
 
     head = (
         "| workload | router | conc | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | prefix hits "
@@ -202,19 +224,19 @@ def kv_table(results: dict[str, dict[str, list[dict[str, Any]]]], base: str = "p
             ref = {r["concurrency"]: r for r in results.get(base, {}).get(w, [])}
             for row in per.get(w, []):
                 b = ref.get(row["concurrency"], {}) if router != base else {}
-                rps, ttft = row["requests_per_s"], row.get("ttft_p50_ms")
+                rps, ttft, at = row["requests_per_s"], row.get("ttft_p50_ms"), f"{w} {router} {row['concurrency']}"
                 cells = [
                     f"{rps:.2f}{ratio(rps, b.get('requests_per_s'))}",
-                    f"{ttft or 0:.0f}{ratio(ttft, b.get('ttft_p50_ms'))}",
-                    f"{row.get('ttft_p99_ms') or 0:.0f}",
-                    f"{row.get('itl_p50_ms') or 0:.2f}",
+                    fig(row, "ttft_p50_ms", "{:.0f}", f"{at} TTFT p50", ratio(ttft, b.get("ttft_p50_ms"))),
+                    fig(row, "ttft_p99_ms", "{:.0f}", f"{at} TTFT p99"),
+                    fig(row, "itl_p50_ms", "{:.2f}", f"{at} ITL p50"),
                     f"{row.get('prefix_hit_rate', 0):.0%}",
                     f"{row.get('max_query_share', 0):.0%}",
                     _split(row),
                     str(row.get("failures", 0)),
                 ]
                 lines.append(f"| {w} | {router} | {row['concurrency']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def request_names(adapters: list[str], n: int, seed: int = 1) -> list[str]:

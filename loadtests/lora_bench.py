@@ -46,7 +46,7 @@ from loadtests.servers import BenchModel, Server, running, session_pids
 from loadtests.workload import completion_bodies, prompt_pool
 from serving.config import EngineConfig, LoraSlots
 
-__all__ = ["main", "parse_rollup", "ratio_rows"]
+__all__ = ["figures_table", "main", "parse_rollup", "pool_size", "ratio_rows", "traffic"]
 
 CONFIGS = ("off", "shared", "split")
 FIRST_PORT = 8041
@@ -117,9 +117,19 @@ def engines(config: str, a: argparse.Namespace, log_dir: Path) -> Iterator[list[
         yield servers
 
 
+def pool_size(a: argparse.Namespace) -> int:
+    """How many prompts a run needs: a chunk per target (the base and each adapter), each as long
+    as a level's warm-ups and measured requests."""
+    per_target: int = WARMUP_REQUESTS + a.concurrency + a.requests
+    return (1 + len(a.adapters)) * per_target
+
+
 def traffic(config: str, servers: list[Server], a: argparse.Namespace, prompts: list[str]) -> dict[str, list[Target]]:
     """The levels a configuration is measured at: the base's own traffic and/or the adapter mix."""
-    chunk = len(prompts) // 4  # every target walks its own prompts: no prefix-cache hits across them
+    # every target (the base, each adapter) walks its own prompts: no prefix-cache hits across them
+    chunk = len(prompts) // (1 + len(a.adapters))
+    if chunk < 1:
+        raise ValueError(f"{len(prompts)} prompts for {1 + len(a.adapters)} targets: at least one each")
 
     def target(server: Server, model: str, n: int) -> Target:
         make = completion_bodies(model, prompts[n * chunk : (n + 1) * chunk], a.output_tokens)
@@ -161,26 +171,32 @@ def measure_config(config: str, a: argparse.Namespace, prompts: list[str], log_d
     return out
 
 
-def ratio_rows(rounds: list[dict[str, Any]]) -> list[dict[str, float]]:
+def _ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> float | None:
+    """``a[key] / b[key]``; None where either lacks the figure (no TTFT when every request failed) or b's is 0."""
+    v, w = a.get(key), b.get(key)
+    return None if v is None or not w else v / w
+
+
+def ratio_rows(rounds: list[dict[str, Any]]) -> list[dict[str, float | None]]:
     """Each round's comparisons: LoRA on vs off for the base's traffic, shared vs split for the mix."""
     rows = []
     for rnd in rounds:
         off, shared, split = (rnd["results"][c] for c in CONFIGS)
         rows.append(
             {
-                "base_rps_on_off": shared["base"]["requests_per_s"] / off["base"]["requests_per_s"],
-                "base_ttft_p50_on_off": shared["base"]["ttft_p50_ms"] / off["base"]["ttft_p50_ms"],
-                "base_itl_p50_on_off": shared["base"]["itl_p50_ms"] / off["base"]["itl_p50_ms"],
-                "mix_rps_shared_split": shared["mix"]["requests_per_s"] / split["mix"]["requests_per_s"],
-                "pss_shared_split": shared["memory"]["pss_mib"] / split["memory"]["pss_mib"],
-                "pss_on_off": shared["memory"]["pss_mib"] / off["memory"]["pss_mib"],
+                "base_rps_on_off": _ratio(shared["base"], off["base"], "requests_per_s"),
+                "base_ttft_p50_on_off": _ratio(shared["base"], off["base"], "ttft_p50_ms"),
+                "base_itl_p50_on_off": _ratio(shared["base"], off["base"], "itl_p50_ms"),
+                "mix_rps_shared_split": _ratio(shared["mix"], split["mix"], "requests_per_s"),
+                "pss_shared_split": _ratio(shared["memory"], split["memory"], "pss_mib"),
+                "pss_on_off": _ratio(shared["memory"], off["memory"], "pss_mib"),
             }
         )
     return rows
 
 
-def figures_table(rounds: list[dict[str, Any]]) -> str:
-    """Markdown: every configuration's figures per round."""
+def figures_table(rounds: list[dict[str, Any]], adapters: int) -> str:
+    """Markdown: every configuration's figures per round (``split`` runs an engine per adapter)."""
     lines = [
         "| round | config | engines | traffic | req/s | TTFT p50 ms | ITL p50 ms | failures | PSS MiB | RSS MiB |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -189,28 +205,44 @@ def figures_table(rounds: list[dict[str, Any]]) -> str:
         for config in CONFIGS:
             res = rnd["results"][config]
             mem = res["memory"]
-            engines_n = 2 if config == "split" else 1
+            engines_n = adapters if config == "split" else 1
             for kind in ("base", "mix"):
                 if kind in res:
                     r = res[kind]
                     lines.append(
                         f"| {i} | {config} | {engines_n} | {kind} | {r['requests_per_s']:.2f} | "
-                        f"{r['ttft_p50_ms'] or 0:.0f} | {r['itl_p50_ms'] or 0:.2f} | {r['failures']} | "
+                        f"{_fmt(r.get('ttft_p50_ms'), '{:.0f}')} | {_fmt(r.get('itl_p50_ms'), '{:.2f}')} | "
+                        f"{r['failures']} | "
                         f"{mem['pss_mib']:.0f} | {mem['rss_mib']:.0f} |"
                     )
     return "\n".join(lines)
 
 
+def _fmt(v: float | None, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
 def ratios_table(rounds: list[dict[str, Any]]) -> str:
-    """Markdown: each round's ratios and their medians."""
+    """Markdown: each round's ratios and their medians ("-" where a round lacks the figure; the
+    median over the rounds that have it, with a footnote when fewer than all)."""
     rows = ratio_rows(rounds)
     keys = list(rows[0])
     lines = ["| round (order) | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 1)]
     for rnd, row in zip(rounds, rows, strict=True):
-        lines.append(f"| {rnd['round']} ({','.join(rnd['order'])}) | " + " | ".join(f"{row[k]:.2f}" for k in keys))
-    medians = " | ".join(f"**{statistics.median(r[k] for r in rows):.2f}**" for k in keys)
-    lines.append(f"| median | {medians} |")
-    return "\n".join(line if line.endswith("|") else line + " |" for line in lines)
+        lines.append(
+            f"| {rnd['round']} ({','.join(rnd['order'])}) | " + " | ".join(_fmt(row[k], "{:.2f}") for k in keys)
+        )
+    cells: list[str] = []
+    notes: list[str] = []
+    for k in keys:
+        have = [v for v in (r[k] for r in rows) if v is not None]
+        cells.append(f"**{statistics.median(have):.2f}**" if have else "-")
+        if have and len(have) < len(rows):
+            notes.append(f"[{len(notes) + 1}] {k}: median over {len(have)} of {len(rows)} rounds (the others lack it)")
+            cells[-1] += f" [{len(notes)}]"
+    lines.append(f"| median | {' | '.join(cells)} |")
+    lines = [line if line.endswith("|") else line + " |" for line in lines]
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def _adapter(text: str) -> tuple[str, str]:
@@ -250,7 +282,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    prompts = prompt_pool(a.base_dir, a.prompt_tokens, n=4 * (WARMUP_REQUESTS + a.concurrency + a.requests))
+    prompts = prompt_pool(a.base_dir, a.prompt_tokens, n=pool_size(a))
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     rounds: list[dict[str, Any]] = []
     for i, order in enumerate(round_orders(list(CONFIGS), a.rounds), 1):
@@ -261,9 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     doc = {"meta": meta | {"adapters": a.adapters, "engine": a.engine.model_dump(mode="json")}, "rounds": rounds}
     (a.out / "lora_bench.json").write_text(json.dumps(doc, indent=2) + "\n")
     compilation = {c: rounds[0]["results"][c]["compilation"] for c in ("off", "shared")}
-    table = (
-        f"{figures_table(rounds)}\n\nEach round's ratios:\n\n{ratios_table(rounds)}\n\nCompilation (round 1 logs):\n"
-    )
+    table = f"{figures_table(rounds, len(a.adapters))}\n\nEach round's ratios:\n\n{ratios_table(rounds)}\n\n"
+    table += "Compilation (round 1 logs):\n"
     table += "".join(f"\n- {c}: " + " / ".join(lines or ["(no line)"]) for c, lines in compilation.items())
     (a.out / "lora_bench.md").write_text(table + "\n")
     print(table)

@@ -310,13 +310,17 @@ def test_rounds_alternate_the_order_and_report_medians() -> None:
         }
     ]
     lines = rounds_table(rounds).splitlines()
-    assert lines[0] == "| round (order) | conc | ours req/s / bare | ours TTFT p50 - bare |"
-    assert lines[2] == "| 1 (ours,bare) | 8 | 0.80x | +6 ms |"
-    assert lines[3] == "| 2 (bare,ours) | 8 | 0.80x | +15 ms |"
-    assert lines[4] == "| 3 (ours,bare) | 8 | 1.06x | +2 ms |"
+    assert (
+        lines[0]
+        == "| round (order) | conc | ours req/s / bare | ours TTFT p50 - bare | ours failures | bare failures |"
+    )
+    assert lines[2] == "| 1 (ours,bare) | 8 | 0.80x | +6 ms | 0 | 0 |"
+    assert lines[3] == "| 2 (bare,ours) | 8 | 0.80x | +15 ms | 1 | 0 |"
+    assert lines[4] == "| 3 (ours,bare) | 8 | 1.06x | +2 ms | 0 | 0 |"
     # the median of the per-round ratios (each pair measured close in time), not the ratio of
     # the medians (88 / 100)
-    assert lines[5] == "| median | 8 | **0.80x** | **+6 ms** |"
+    assert lines[5] == "| median | 8 | **0.80x** | **+6 ms** | 1 in all | 0 in all |"
+    assert len(lines) == 6  # every median over all rounds: no footnote
 
 
 def test_bench_runs_each_round_in_its_order_and_writes_the_medians(
