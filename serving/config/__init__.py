@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from serving.config.base import IMAGE_RE, ConfigError, Strict, check_model_name, read_yaml, validation_message
-from serving.config.checks import check_admin_keys, check_ports, check_store_protocol
+from serving.config.checks import check_adapter_recipes, check_admin_keys, check_ports, check_store_protocol
 from serving.config.cluster import (
     LOCAL_RAY_LOOPBACK,
     ControllerConfig,
@@ -122,6 +122,14 @@ class StackConfig(Strict):
             base = by_name.get(m.base) if m.base else None
             if m.base and (base is None or base.is_adapter or base.engine.runner != "generate"):
                 raise ValueError(f"adapter {m.name!r}: its base {m.base!r} must be a generating model of this config")
+        return self
+
+    @model_validator(mode="after")
+    def _recipes(self, info: ValidationInfo) -> StackConfig:
+        """Recipes say how ``serving up`` builds the config as written: a config of the live versions
+        (validated with context ``{"live": True}``) may have dropped a base version one names."""
+        if not (info.context or {}).get("live"):
+            check_adapter_recipes(self.models)
         return self
 
     def model(self, name: str) -> ModelConfig:

@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 __all__ = [
+    "DEFAULT_LORA_RANK",
     "IMAGE_RE",
     "NAME_RE",
     "VERSION_RE",
@@ -38,6 +39,9 @@ IMAGE_RE = re.compile(
     r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
 )
 VERSION_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,30}$")
+# The rank the training job gives an adapter without --lora-rank (training.lora.LoraOptions.rank:
+# serving imports nothing of training; a unit test holds the two equal)
+DEFAULT_LORA_RANK = 8
 
 
 class ConfigError(ValueError):

@@ -1,16 +1,18 @@
 """Rules across sections of the stack config, which :class:`~serving.config.StackConfig` runs:
-local ports that must differ, keys that must have one holder only, and a checkpoint store this
-machine can open."""
+local ports that must differ, keys that must have one holder only, a checkpoint store this
+machine can open, and adapter recipes that train what their base can serve."""
 
 from __future__ import annotations
 
 import fsspec
 
+from serving.config.base import DEFAULT_LORA_RANK
 from serving.config.cluster import ControllerConfig, LocalRayConfig
 from serving.config.gateway import AuthConfig, GatewayConfig
+from serving.config.model import LoraSlots, ModelConfig
 from serving.redact import redact_uri
 
-__all__ = ["check_admin_keys", "check_ports", "check_store_protocol"]
+__all__ = ["check_adapter_recipes", "check_admin_keys", "check_ports", "check_store_protocol"]
 
 
 def check_ports(gateway: GatewayConfig, local_ray: LocalRayConfig) -> None:
@@ -67,3 +69,30 @@ def check_store_protocol(root: str) -> str:
                 f"{redact_uri(root)!r}: fsspec knows no protocol {protocol!r} (s3, gs, abfs, file... or a local path)"
             )
     return root
+
+
+def check_adapter_recipes(models: list[ModelConfig]) -> None:
+    """Each adapter version's recipe (method lora) trains what the deploy then serves: on a version
+    of the adapter's base that the config serves (``base: <base>@<version>``; the deploy refuses
+    an adapter trained on any other), at a rank (``lora_rank``, default ``DEFAULT_LORA_RANK``) the
+    base's ``lora.max_lora_rank`` admits."""
+    by_name = {m.name: m for m in models}
+    for m in models:
+        b = by_name.get(m.base) if m.base else None
+        if b is None:
+            continue  # not an adapter, or a base the config lacks (refused on its own)
+        for v in m.versions:
+            r = v.recipe
+            if r is None or r.method != "lora":
+                continue
+            field = f"models[{m.name}].versions[{v.version}].recipe"
+            name, _, version = r.base.partition("@")
+            if name != b.name or b.version(version) is None:
+                raise ValueError(
+                    f"{field}.base {r.base!r}: an adapter of {b.name!r} trains on a version of it the config serves "
+                    f"({', '.join(f'{b.name}@{x.version}' for x in b.versions)}); the deploy refuses any other"
+                )
+            rank, limit = r.lora_rank or DEFAULT_LORA_RANK, (b.lora or LoraSlots()).max_lora_rank
+            if rank > limit:
+                shown = f"{field}.lora_rank {rank}" if r.lora_rank else f"{field}.lora_rank (default {rank})"
+                raise ValueError(f"{shown} exceeds models[{b.name}].lora.max_lora_rank {limit}")

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from serving.config.base import VERSION_RE, Strict, check_model_name
+from serving.config.base import DEFAULT_LORA_RANK, VERSION_RE, Strict, check_model_name
 from serving.registry import Gate
 
 __all__ = [
@@ -172,12 +172,15 @@ class TrainRecipe(Strict):
     eval: str | None = Field(None, description="Evaluation JSONL; default: the held-out half of builtin:<task>.")
     method: Literal["full", "lora"] = Field(
         "full",
-        description="full: every weight is trained; lora: a peft adapter of `base` (a store `model@version`), "
-        "for a model entry with `base` set.",
+        description="full: every weight is trained; lora (for a model entry with `base` set): a peft adapter of "
+        "`base`, <that entry's base>@<a version of it this config serves>, of a `lora_rank` up to that base's "
+        "lora.max_lora_rank.",
     )
     steps: int | None = Field(None, ge=1, description="Optimizer steps; default: the job's default for the base.")
     seed: int = Field(0, description="Data order and initialisation seed.")
-    lora_rank: int | None = Field(None, ge=1, description="method lora: the adapter's rank (default 8).")
+    lora_rank: int | None = Field(
+        None, ge=1, description=f"method lora: the adapter's rank (default {DEFAULT_LORA_RANK})."
+    )
     lora_alpha: int | None = Field(None, ge=1, description="method lora: its scaling alpha (default 16).")
 
     @model_validator(mode="after")

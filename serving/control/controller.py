@@ -26,7 +26,11 @@ the base versions their manifests name, so "its app" is that base version's. A b
 a configured adapter version (any weight) runs on is never removed: promoting the base leaves it
 at weight 0, serving only those adapters, and it is removed once no configured adapter version
 needs it (their retrained versions on the new base were promoted). Every step, rollback and ``serving
-rollback`` keeps such versions at weight 0.
+rollback`` keeps such versions at weight 0. An adapter version not published yet runs on no base
+version; one whose manifest cannot be read (a store out of reach) could run on any: while it cannot
+be read, no version of its base is removed, a step keeps every version its base serves (at 0 if it
+drops one), and an apply (which reads the manifests) fails and is retried at the next poll, leaving
+what served before.
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ def with_live(cfg: StackConfig, live: Mapping[str, Sequence[LiveEntry]]) -> Stac
                 versions.append(known[v].model_copy(update=fields) if v in known else ModelVersion(version=v, **fields))
             m = m.model_copy(update={"versions": versions})
         models.append(m.model_dump())
-    return StackConfig.model_validate({**cfg.model_dump(), "models": models})
+    # the recipes were checked on the config as written; the record may have dropped a base version one names
+    return StackConfig.model_validate({**cfg.model_dump(), "models": models}, context={"live": True})
 
 
 def policy_for(m: ModelConfig, overrides: dict[str, Any]) -> PromotionPolicy:
@@ -210,13 +215,17 @@ class Controller(PromotionSteps):
         return None
 
     def _prune_bases(self, blocked: set[str]) -> None:
-        """Remove base versions at weight 0 that no configured adapter version runs on any more."""
+        """Remove base versions at weight 0 that no configured adapter version runs on any more; none
+        of a base while the manifest of one of its adapter versions cannot be read (any may be needed)."""
         cfg = self.current()
         needed = self.bases.needed(cfg)
         for m in cfg.models:
             if m.base is None and cfg.adapters_of(m) and m.name not in blocked:
+                if m.name in needed.unknown:
+                    log.warning("%s: no version removed this poll: %s", m.name, needed.unknown[m.name])
+                    continue
                 rec = self.control.active(m.name)
-                idle = [v for v in m.versions if v.weight == 0 and v.version not in needed.get(m.name, set())]
+                idle = [v for v in m.versions if v.weight == 0 and v.version not in needed.versions.get(m.name, set())]
                 if idle and (rec is None or not rec.active):
                     self._set(m.name, [(v.version, v.weight) for v in m.versions if v not in idle])
                     _decision(m.name, idle[0].version, "removed", "no live adapter runs on it", {})

@@ -13,11 +13,20 @@ base version it was trained on, which list it in their own ``user_config`` (also
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from serving.config import AutoscalingConfig, ConfigError, ModelConfig, ModelVersion, StackConfig
+from serving.control.bases import (
+    ManifestUnreadable,
+    app_name,
+    base_version_for,
+    check_no_manifest,
+    manifest_bytes,
+    trained_on,
+)
 from serving.gateway.admin import AdminAccess
 from serving.gateway.routing import (
     CHAT_CAPABILITIES,
@@ -32,6 +41,7 @@ from serving.replica.routers import ROUTER_CLASSES
 
 __all__ = [
     "CONTROLLER_APP",
+    "ManifestUnreadable",
     "adapter_bases",
     "admin_access",
     "app_name",
@@ -48,10 +58,6 @@ CONTROLLER_APP = "promotion-controller"
 GATEWAY_SHAPE: set[str] = {"num_replicas", "autoscaling", "num_cpus"}
 
 
-def app_name(model: str, version: str) -> str:
-    return f"{model}--{version}".replace(".", "-").replace("_", "-").lower()
-
-
 def _shed_at(m: ModelConfig) -> int:
     """In-flight requests (per gateway replica) above which low-priority tenants are shed: half
     of what the model's replicas can hold at most (running plus queued)."""
@@ -66,54 +72,24 @@ Bases = dict[tuple[str, str], str]  # (adapter, version) -> the base version it 
 def adapter_bases(cfg: StackConfig, base: Path | None = None, read_manifests: bool = False) -> Bases:
     """The base version each adapter version runs on: the one its manifest says it was trained on
     (``base.ref``, see :func:`base_version_for`), which must be a configured version of its base
-    (any weight, 0 included), with a rank the base's ``max_lora_rank`` admits. Without manifests
-    (an offline render, a version still to be trained): the base's live version."""
+    (any weight, 0 included) whose manifest is the one the adapter's records (``base.manifest_sha256``),
+    with a rank the base's ``max_lora_rank`` admits. Without manifests (an offline render, a version
+    still to be trained): the base's live version. A manifest that cannot be read now raises
+    :class:`ManifestUnreadable` (an OSError): nothing is deployed on a guess."""
     out: Bases = {}
+    read = functools.cache(manifest_bytes)  # each base version's manifest once
     for m in cfg.models:
         if m.base is None:
             continue
         b = cfg.model(m.base)
         for v in m.versions:
-            manifest = manifest_at(cfg.version_path(m, v, base)) if read_manifests else None
-            out[(m.name, v.version)] = _trained_on(cfg, m, v, b, manifest, base) if manifest else b.live_version
+            manifest = None
+            if read_manifests:
+                path = cfg.version_path(m, v, base)
+                if (manifest := manifest_at(path)) is None:
+                    check_no_manifest(path)  # not published (else ManifestUnreadable)
+            out[(m.name, v.version)] = trained_on(cfg, m, v, b, manifest, base, read) if manifest else b.live_version
     return out
-
-
-def base_version_for(cfg: StackConfig, b: ModelConfig, ref: str, base: Path | None = None) -> str | None:
-    """The version of base model ``b`` that holds the checkpoint ``ref`` (``model@version``: what an
-    adapter's manifest says it was trained on). When ``b`` is ``model``: ``version``, served or not.
-    Else a version of ``b`` served from that very checkpoint (its manifest is ``ref``'s, as for a
-    ``path:`` to it), for example the same weights deployed under another name with another router;
-    None when ``b`` serves none."""
-    model, _, version = ref.partition("@")
-    if not model or not version:
-        return None
-    if model == b.name:
-        return version
-    for bv in b.versions:
-        held = manifest_at(cfg.version_path(b, bv, base))
-        if held is not None and (held.model, held.version) == (model, version):
-            return bv.version
-    return None
-
-
-def _trained_on(
-    cfg: StackConfig, m: ModelConfig, v: ModelVersion, b: ModelConfig, manifest: Any, base: Path | None
-) -> str:
-    where = f"models[{m.name}].versions[{v.version}]"
-    ref = manifest.base.ref if manifest.base and manifest.base.source == "store" else ""
-    version = base_version_for(cfg, b, ref, base) if manifest.adapter is not None else None
-    if version is None:
-        raise ConfigError(f"{where}: not a LoRA adapter of {b.name!r} (its manifest's base is {ref or 'none'})")
-    if b.version(version) is None:
-        served = ", ".join(x.version for x in b.versions)
-        raise ConfigError(f"{where}: trained on {ref}, which is not served ({b.name} serves {served})")
-    slots = cfg.lora_slots(b)
-    if slots is not None and manifest.adapter.rank > slots.max_lora_rank:
-        raise ConfigError(
-            f"{where}: rank {manifest.adapter.rank} exceeds models[{b.name}].lora.max_lora_rank {slots.max_lora_rank}"
-        )
-    return str(version)
 
 
 def serving_app(cfg: StackConfig, model: str, version: str, bases: Bases | None = None) -> str:

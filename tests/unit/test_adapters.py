@@ -40,7 +40,9 @@ def _stack(root: Path, adapters: list[dict[str, Any]] | None = None, **base: Any
     }
 
 
-def _publish_adapter(root: Path, model: str, version: str, base: str, rank: int = 8) -> Path:
+def _publish_adapter(
+    root: Path, model: str, version: str, base: str, rank: int = 8, base_sha: str | None = None
+) -> Path:
     d = root / model / version
     d.mkdir(parents=True)
     (d / "adapter_config.json").write_text(json.dumps({"r": rank, "base_model_name_or_path": base}))
@@ -48,7 +50,7 @@ def _publish_adapter(root: Path, model: str, version: str, base: str, rank: int 
     manifest = {
         "model": model,
         "version": version,
-        "base": {"source": "store", "ref": base},
+        "base": {"source": "store", "ref": base, **({"manifest_sha256": base_sha} if base_sha else {})},
         "adapter": {"rank": rank, "alpha": 16, "target_modules": ["q_proj"]},
         "eval": {"metrics": {"exact_match": 0.9}, "n": 10},
         "files": hash_tree(d),

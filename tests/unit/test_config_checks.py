@@ -292,3 +292,66 @@ def test_the_manifest_values_render_k8s_checks_are_those_of_k8s() -> None:
     assert serve_ports == {k8s.K8S_GATEWAY_PORT}
     policy_ports = [p for d in docs if d.get("kind") == "NetworkPolicy" for ps in _walk(d, "ports") for p in ps]
     assert {"protocol": "TCP", "port": k8s.K8S_GATEWAY_PORT, "endPort": k8s.K8S_PROXY_PORT} in policy_ports
+
+
+# --- adapter recipes train what the deploy serves -------------------------------------------------
+
+
+def _adapter_recipe(recipe: dict[str, Any], lora: dict[str, Any] | None = None) -> dict[str, Any]:
+    base = {"name": "calc", "versions": [{"version": "v1"}, {"version": "v2", "weight": 0}]}
+    adapter = {"name": "sub", "base": "calc", "versions": [{"version": "v1", "recipe": recipe}]}
+    return _cfg(models=[base | ({"lora": lora} if lora is not None else {}), adapter])
+
+
+LORA = {"data": "builtin:sub", "method": "lora"}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "lora", "expected"),
+    [
+        ({"base": "calc@v1", "lora_rank": 64}, {"max_lora_rank": 16}, "recipe.lora_rank 64 exceeds"),
+        ({"base": "calc@v1", "lora_rank": 32}, None, "models[calc].lora.max_lora_rank 16"),  # the default slots
+        ({"base": "calc@v1"}, {"max_lora_rank": 1}, "recipe.lora_rank (default 8) exceeds"),
+        ({"base": "other@v3"}, None, "recipe.base 'other@v3'"),  # another model
+        ({"base": "calc@v3"}, None, "recipe.base 'calc@v3'"),  # a version calc does not serve
+        ({"base": "calc"}, None, "recipe.base 'calc'"),
+        ({"base": "init:qwen3-tiny"}, None, "recipe.base 'init:qwen3-tiny'"),
+    ],
+)
+def test_an_adapter_recipe_the_deploy_would_refuse_is_refused_naming_the_field(
+    recipe: dict[str, Any], lora: dict[str, Any] | None, expected: str
+) -> None:
+    message = _refused(_adapter_recipe(LORA | recipe, lora), "models[sub].versions[v1].recipe.", expected)
+    if "base '" in expected:
+        assert "calc@v1, calc@v2" in message  # what it could train on
+
+
+def test_adapter_recipes_the_deploy_serves_pass() -> None:
+    cfg = parse_config(_adapter_recipe(LORA | {"base": "calc@v2", "lora_rank": 16}))  # at weight 0: served too
+    assert cfg.model("sub").versions[0].recipe is not None
+    parse_config(_adapter_recipe(LORA | {"base": "calc@v1"}, {"max_lora_rank": 8}))  # the default rank, 8
+    parse_config(_adapter_recipe(LORA | {"base": "calc@v1", "lora_rank": 64}, {"max_lora_rank": 64}))
+
+
+def test_a_live_config_that_dropped_a_recipes_base_version_still_builds() -> None:
+    """The recipes are the config as written's: the controller's record may have removed the base
+    version an untrained adapter version's recipe names (with_live validates without the check)."""
+    from serving.control.controller import with_live
+
+    seed = parse_config(_adapter_recipe(LORA | {"base": "calc@v2"}))
+    live = with_live(seed, {"calc": [("v1", 100)]})
+    assert [v.version for v in live.model("calc").versions] == ["v1"]
+
+
+def test_the_default_lora_rank_is_the_training_jobs() -> None:
+    from serving.config.base import DEFAULT_LORA_RANK
+    from training.lora import LoraOptions
+
+    assert DEFAULT_LORA_RANK == LoraOptions.rank
+
+
+def test_the_shipped_adapter_recipes_pass_the_recipe_check() -> None:
+    cfg = load_config(REPO / "tests" / "integration" / "stack.yaml")
+    recipes = {m.name: v.recipe for m in cfg.models if m.base for v in m.versions if v.recipe}
+    assert sorted(recipes) == ["max-lora", "sub-lora"]
+    assert all(r.base == "adder@v1" and r.lora_rank == 16 for r in recipes.values())

@@ -13,6 +13,7 @@ from serving.config import StackConfig
 from serving.control.controller import Controller
 from serving.control.serve_config import build_serve_config
 from serving.record import PromotionRequest
+from tests.unit.test_adapter_bases import store_down
 from tests.unit.test_adapters import _calc_and_sub, _Cluster, _publish_adapter, _stack
 from tests.unit.test_controller import POLICY, Clock, _controller, _publish, _run
 
@@ -102,3 +103,41 @@ def test_an_adapter_version_not_trained_yet_does_not_stop_the_bases_promotion(tm
     (rec,) = ctl.control.history("calc")
     assert rec.steps[0].phase == "deploy" and rec.status != "refused", rec
     assert ("v2", 0) in _live(ctl, "calc") or ("v2", 10) in _live(ctl, "calc")
+
+
+@pytest.mark.parametrize("looks_empty", [False, True])
+def test_a_store_outage_removes_no_base_version_and_the_apply_waits_for_the_store(
+    based: Any, looks_empty: bool
+) -> None:
+    """A restarted controller that cannot read sub@v1's manifest (a store out of reach; on a local
+    disk the folders may even look absent) keeps calc@v1, which sub@v1 runs on: it removes nothing
+    of calc that poll, and its apply, which reads the manifests, fails and leaves what served; the
+    next poll with the store back applies it (removing calc@v1 used to break every apply for good)."""
+    ctl, clock, cluster, root = based
+    _run(ctl, clock, 2)
+    served = cluster.applied[-1]
+    assert _live(ctl, "calc") == [("v2", 100), ("v1", 0)] == served["calc"]
+    clock.t += 60  # the old controller's lease expired: a new one (nothing cached) takes over
+    ctl2 = _controller(root.parent, ctl.seed.model_dump(mode="json"), clock, cluster, holder="b")
+    with store_down(looks_empty):
+        needed = ctl2.bases.needed(ctl2.current())
+        assert needed.versions == {} and "sub@v1's manifest cannot be read" in needed.unknown["calc"]
+        assert ctl2.tick() == "active"
+        clock.t += 2
+        assert ctl2.tick() == "active"  # retried: still failing
+        clock.t += 2
+    assert _live(ctl2, "calc") == [("v2", 100), ("v1", 0)]
+    assert cluster.applied[-1] is served and ctl2._dirty  # the old config serves; an apply is due
+    ctl2.tick()
+    assert not ctl2._dirty and cluster.applied[-1] is not served
+    assert cluster.weights("calc") == [("v2", 100), ("v1", 0)] == _live(ctl2, "calc")
+
+
+def test_a_step_while_a_manifest_cannot_be_read_keeps_every_served_base_version(based: Any) -> None:
+    """Any base version may be the one an unreadable adapter version runs on: a step (here the end
+    of calc v3's promotion) keeps each at 0 %; with the store back, only the one sub@v1 needs."""
+    ctl, _, _, root = based
+    _publish(root, "calc", "v3")
+    with store_down():
+        assert ctl.bases.keep_needed(ctl.current(), "calc", {"v3": 100}) == {"v3": 100, "v2": 0, "v1": 0}
+    assert ctl.bases.keep_needed(ctl.current(), "calc", {"v3": 100}) == {"v3": 100, "v1": 0}
