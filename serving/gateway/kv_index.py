@@ -5,10 +5,13 @@ Each model replica streams the keys of the blocks its engine holds in its prefix
 on the replica's node). :class:`KVFeeds` keeps one stream open per replica whose record offers
 one, feeding :class:`KVIndex`; a replica whose record disappears (drained, dead, restarted)
 leaves the index with its stream. A new gateway replica gets each engine's whole state as the
-first line of each stream, so every gateway's index converges on what the engines report.
+first line of each stream, so every gateway's index converges on what the engines report; a
+``reset`` line replaces what the index held for that replica (with no key after the replica lost
+events), and a stream that ends (the replica cut off a reader that fell behind) is reopened.
 
 Per request the gateway tokenizes the prompt with the model's own tokenizer and chat template
-(fetched once per app from a replica, :class:`Prompts`), computes the block keys, and
+(fetched once per app from a replica, :class:`Prompts`; chat rendered as vLLM renders it,
+:mod:`serving.gateway.kv_chat`), computes the block keys, and
 :meth:`serving.gateway.replicas.EndpointTable.pick` chooses the replica with the best
 ``matched blocks - LOAD_BLOCKS x in-flight requests`` (ties: fewer in flight, then fewer blocks
 held, so new prefixes spread over the caches). A block this gateway has just routed
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.contract import BlockKey, Record, block_keys
+from serving.gateway.kv_chat import Unrenderable, chat_tokens
 
 logger = logging.getLogger("serving.gateway")
 
@@ -117,19 +121,10 @@ class Prompts:
             return list(tok(p)["input_ids"]) if isinstance(p, str) else None
         if kind not in ("chat", "messages"):
             return None
-        messages = []
-        system = body.get("system") if kind == "messages" else None  # Anthropic's: a field, not a turn
-        if system:
-            messages.append({"role": "system", "content": system})
-        for m in body.get("messages") or ():
-            c = m.get("content")
-            if isinstance(c, list):  # text parts, as vLLM's string content format joins them
-                c = "\n".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
-            messages.append({**m, "content": c})
-        out = tok.apply_chat_template(
-            messages, tools=body.get("tools"), add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return list(out)
+        try:
+            return chat_tokens(tok, kind, body)
+        except Unrenderable:
+            return None
 
 
 class KVFeeds:

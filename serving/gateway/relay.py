@@ -11,11 +11,13 @@ replica, and only while the retry budget (:class:`RetryBudget`) allows:
 - no byte came within ``first_byte_s`` (the connection is closed, so the engine drops the request);
 - the replica answered with an error of its own (5xx) and then failed its ``/health`` check: a
   replica that is shutting down (its actor was killed, its engine is stopping) fails requests it
-  had not begun, and those are safe to send elsewhere.
+  had not begun, and those are safe to send elsewhere;
+- for a LoRA adapter only, vLLM's 404 that its name does not exist: the replica unregistered it
+  since the gateway read its record (:func:`serving.gateway.leases.adapter_missing`; not a failure).
 
-Those mark the replica failed (skipped for a few seconds). Any other answer of the engine, an
-error included (e.g. its 500 for a grammar it cannot satisfy), reaches the client once, in
-OpenAI's shape with the request id, and the replica stays in rotation. Waiting for a free pooled
+All but the last mark the replica failed (skipped for a few seconds). Any other answer of the
+engine, an error included (e.g. its 500 for a grammar it cannot satisfy), reaches the client once,
+in OpenAI's shape with the request id, and the replica stays in rotation. Waiting for a free pooled
 connection (``Upstream.max_connections``) is the gateway's own limit: a 503, never a replica
 failure. After the first byte, the stream ends with an SSE error event, never a silent cut,
 unless the observer continues it on another replica (:mod:`serving.gateway.migration`); a 5xx
@@ -41,6 +43,7 @@ import aiohttp
 from serving.errors import ErrorShape, Unavailable, UpstreamError
 from serving.gateway.answers import normalize_upstream_error
 from serving.gateway.budget import RetryBudget
+from serving.gateway.leases import adapter_missing
 from serving.gateway.replicas import Lease, ReplicaGone
 
 logger = logging.getLogger("serving.gateway")
@@ -159,9 +162,10 @@ class UpstreamResult:
 class _RetryableFailure(Exception):
     """This try failed in a way that is safe to send again elsewhere; the replica is marked failed."""
 
-    def __init__(self, message: str, status: int = 502) -> None:
+    def __init__(self, message: str, status: int = 502, replica_fault: bool = True) -> None:
         super().__init__(message)
         self.status = status  # what the client gets if no retry is left: 502, or 503 for vLLM's 503
+        self.replica_fault = replica_fault  # False: the replica lacks the adapter, and is fine otherwise
 
 
 class _Broken(Exception):
@@ -216,6 +220,8 @@ async def _open(
             resp.close()
             raise
         resp.release()
+        if adapter_missing(lease, resp.status, data):
+            raise _RetryableFailure("the replica does not hold the adapter", 503, replica_fault=False)
         if resp.status >= 500 and not await _healthy(client, lease):
             raise _RetryableFailure(f"replica answered {resp.status} and then failed its health check")
         return resp, data
@@ -362,7 +368,7 @@ async def forward(
                 raise
         except _RetryableFailure as exc:
             release_slot()
-            lease.release(failed=True)
+            lease.release(failed=exc.replica_fault)
             last, status = str(exc), exc.status
             logger.warning("[%s] attempt %d on %s failed: %s", request_id, attempt, lease.replica, last)
             continue

@@ -6,11 +6,12 @@ Every way of getting a replica ends in a :class:`Lease` (URL, token, a ``died`` 
   records that model replicas publish (:mod:`serving.contract`) every ``REFRESH_S`` and picks per
   request itself, power of two choices on its own in-flight counts (what Serve's default router
   does, minus the Ray call per request).
-- :class:`ServeLease` from a Serve deployment handle: one streaming call to the replica's
-  ``lease`` method that yields its endpoint and stays open until the request ends, so Serve's
-  router, queue and backpressure see the request. Used by requests that need a routing hint
-  (prefix or session affinity), for an app with no known endpoint (cold, scaled to zero), when the
-  picked replicas are at their limit, and for every request under ``replica_routing: serve``.
+- :class:`ServeLease` (:mod:`serving.gateway.leases`) from a Serve deployment handle: one
+  streaming call to the replica's ``lease`` method that yields its endpoint and stays open until
+  the request ends, so Serve's router, queue and backpressure see the request. Used by requests
+  that need a routing hint (prefix or session affinity), for an app with no known endpoint (cold,
+  scaled to zero), when the picked replicas are at their limit, and for every request under
+  ``replica_routing: serve``.
 
 :class:`ReplicaFinder` chooses between the two. Each heartbeat bumps a record's sequence number.
 A gateway judges a record by when it last saw it change, on its own monotonic clock (no wall
@@ -21,7 +22,9 @@ withdrawing (its node or process is gone); a record marked ``hung`` belongs to a
 engine stopped making progress (:mod:`serving.replica.server`). Either is dropped, and the
 requests still on it are told (``died``), as Ray tells a lease call whose actor died: those
 without a first byte are retried elsewhere. After ``PURGE_S`` unchanged a gateway deletes the
-record. A replica that fails a request is skipped for ``FAILED_S``.
+record. A replica that fails a request is skipped for ``FAILED_S``. One whose engine answers that
+it does not hold an adapter its record lists (unregistered while this gateway could not read the
+store) gets no request for that adapter until its record changes (:meth:`EndpointTable.not_holding`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import logging
 import random
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Protocol, cast
 
 from ray import serve
@@ -53,6 +57,7 @@ from serving.contract import (
 )
 from serving.errors import InternalError, unavailable
 from serving.gateway.kv_index import LOAD_BLOCKS, KVFeeds, KVIndex
+from serving.gateway.leases import ServeLease, cancel_call
 
 logger = logging.getLogger("serving.gateway")
 
@@ -77,7 +82,9 @@ FAILED_S = 5.0
 
 
 class Lease(Protocol):
-    """A replica chosen for one request, held until the request ends."""
+    """A replica chosen for one request, held until the request ends. A lease for a LoRA adapter
+    also has ``adapter`` (its name) and ``adapter_missing()``: the replica's engine answered that
+    it does not hold the adapter (:mod:`serving.gateway.relay` then retries elsewhere)."""
 
     url: str
     token: str
@@ -103,18 +110,23 @@ class ReplicaGone(Exception):
 class DirectLease:
     """A replica picked by the gateway itself; ``release`` gives its slot back."""
 
-    __slots__ = ("_done", "_table", "died", "replica", "token", "url")
+    __slots__ = ("_done", "_table", "adapter", "app", "died", "replica", "token", "url")
     route = "direct"
 
-    def __init__(self, table: EndpointTable, record: Record) -> None:
+    def __init__(self, table: EndpointTable, record: Record, adapter: str | None = None) -> None:
         self._table, self._done = table, False
         self.url, self.token, self.replica = record.url, record.token, record.replica
+        self.app, self.adapter = record.app, adapter
         self.died = asyncio.Event()
 
     def release(self, failed: bool = False) -> None:
         if not self._done:
             self._done = True
             self._table._release(self, failed)
+
+    def adapter_missing(self) -> None:
+        if self.adapter is not None:
+            self._table.not_holding(self.app, self.replica, self.adapter)
 
 
 class EndpointTable:
@@ -143,6 +155,8 @@ class EndpointTable:
         self._readable_since: float | None = None  # good reads without a gap since then
         self._last_read: float | None = None
         self.loaded = False  # records were read at least once
+        # (app, replica) -> adapters its engine said it does not hold, with the record's seq then
+        self._lacks: dict[tuple[str, str], dict[str, int]] = {}
         self.kv_index: KVIndex | None = None  # router kv_aware: the engines' cached blocks
 
     def read_failed(self) -> None:
@@ -182,7 +196,25 @@ class EndpointTable:
                 lease.died.set()
         newly = [r for r in dead if r not in self._stale]
         self._by_app, self._stale, self.loaded = fresh, set(dead), True
+        self._lacks = {  # until the replica publishes again: then its record says what it holds
+            key: kept
+            for key, lacks in self._lacks.items()
+            if (kept := {a: seq for a, seq in lacks.items() if changed.get(key, (None,))[0] == seq})
+        }
         return newly
+
+    def not_holding(self, app: str, replica: str, adapter: str) -> None:
+        """The replica's engine does not hold ``adapter``, whatever the record this gateway last
+        read says (it was unregistered while the store could not be read): no adapter request is
+        picked for it there until its record changes."""
+        record = self._by_app.get(app, {}).get(replica)
+        if record is not None and adapter in record.adapters:
+            self._lacks.setdefault((app, replica), {})[adapter] = record.seq
+            logger.warning("replica %s no longer holds adapter %s; its record is out of date", replica, adapter)
+
+    def _holds(self, record: Record, adapter: str) -> bool:
+        lacks = self._lacks.get((record.app, record.replica))
+        return adapter in record.adapters and (lacks is None or lacks.get(adapter) != record.seq)
 
     def expired(self, now: float | None = None) -> list[tuple[str, str]]:
         """(app, replica) of records unchanged for ``PURGE_S`` of readable time: their replica was
@@ -208,7 +240,7 @@ class EndpointTable:
         now = time.monotonic() if now is None else now
         reps = [r for r in self._by_app.get(app, {}).values() if self._failed_until.get(r.replica, 0) <= now]
         if adapter is not None:
-            reps = [r for r in reps if adapter in r.adapters]
+            reps = [r for r in reps if self._holds(r, adapter)]
         if not reps:
             return None
         if blocks and self.kv_index is not None:
@@ -220,7 +252,7 @@ class EndpointTable:
             return None
         if blocks and self.kv_index is not None:
             self.kv_index.routed(app, best.replica, blocks, now)
-        lease = DirectLease(self, best)
+        lease = DirectLease(self, best, adapter)
         self._leases.setdefault(best.replica, set()).add(lease)
         return lease
 
@@ -268,43 +300,6 @@ class EndpointTable:
                 self.read_failed()
                 logger.warning("reading model endpoints failed: %s", exc)
             await asyncio.sleep(period_s)
-
-
-def _cancel(gen: DeploymentResponseGenerator[Endpoint]) -> None:
-    """End a lease call; a call that already failed (its replica died) has nothing to end."""
-    try:
-        gen.cancel()
-    except Exception:  # noqa: BLE001 - the call's own error was handled where it surfaced
-        pass
-
-
-class ServeLease:
-    """A leased replica. The lease call stays open while the request runs; if the replica dies,
-    Ray fails that call at once and ``died`` is set, so the gateway stops waiting on its sockets."""
-
-    __slots__ = ("_gen", "_watcher", "died", "replica", "token", "url")
-    route = "serve"
-
-    def __init__(self, gen: DeploymentResponseGenerator[Endpoint], endpoint: Endpoint) -> None:
-        self._gen = gen
-        self.url = endpoint.url
-        self.token = endpoint.token
-        self.replica = endpoint.replica
-        self.died = asyncio.Event()
-        self._watcher = asyncio.ensure_future(self._watch())
-
-    async def _watch(self) -> None:
-        try:
-            await self._gen.__anext__()  # the replica yields nothing more; this only fails
-        except (ActorDiedError, ActorUnavailableError, RayActorError):
-            logger.warning("replica %s died during a request", self.replica)
-            self.died.set()
-        except BaseException:  # noqa: BLE001 - cancelled by release(), or the lease ended
-            return
-
-    def release(self, failed: bool = False) -> None:
-        self._watcher.cancel()
-        _cancel(self._gen)
 
 
 class ReplicaFinder:
@@ -364,10 +359,10 @@ class ReplicaFinder:
         except BackPressureError:
             raise unavailable(f"Model '{app}' is at capacity; retry shortly.", 1) from None
         except TimeoutError:
-            _cancel(gen)  # still waiting for a replica: withdraw the request
+            cancel_call(gen)  # still waiting for a replica: withdraw the request
             raise unavailable(f"No replica of '{app}' became available in {timeout_s:.0f}s.", 5) from None
         except asyncio.CancelledError:  # the client left: a lease granted now would be held forever
-            _cancel(gen)
+            cancel_call(gen)
             raise
         except (ActorDiedError, ActorUnavailableError, RayActorError, StopAsyncIteration) as exc:
             raise ReplicaGone(f"replica unavailable: {type(exc).__name__}") from None
@@ -382,7 +377,9 @@ class ReplicaFinder:
             ) from None
         except RuntimeError as exc:  # the replica refused (its engine process is down)
             raise ReplicaGone(f"replica refused lease: {exc}") from None
-        return ServeLease(gen, endpoint)
+        adapter, table = hint.adapter, self.table
+        missing = partial(table.not_holding, app, endpoint.replica, adapter) if table and adapter else None
+        return ServeLease(gen, endpoint, adapter, missing)
 
     async def ready(self, app: str, timeout_s: float) -> bool:
         try:

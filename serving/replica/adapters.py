@@ -23,8 +23,11 @@ would run inside the engine process, which holds no store credentials and verifi
 A retired adapter leaves the replica's published record at once (gateways stop sending it there
 within ``REFRESH_S``) and is unregistered ``UNLOAD_DELAY_S`` later (one wanted again before that
 is kept, and counted as a load like any other); vLLM finishes the requests
-it already holds either way (unregistering only removes the name). Within the registered set,
-vLLM's own LRU decides which adapters occupy its ``max_loras`` batch slots.
+it already holds either way (unregistering only removes the name). A gateway that could not read
+the records meanwhile may still send the adapter here: the engine answers 404 (``The model
+`name@version` does not exist``), which the gateway retries on another replica or through Serve's
+router (:func:`serving.gateway.leases.adapter_missing`). Within the registered set, vLLM's own LRU
+decides which adapters occupy its ``max_loras`` batch slots.
 """
 
 from __future__ import annotations

@@ -7,17 +7,21 @@ publisher binds wherever it is told without authentication, and the events carry
 tokens, so here it binds an ``ipc://`` socket in a directory only this user can enter, and
 nothing but this replica, on the same node, reads it.
 
-:class:`BlockLedger` turns the events into the contract's block keys
-(:func:`serving.contract.chain_key`: a hash chain over each block's tokens and adapter, which the
-gateway computes the same way from a request's tokens), so no token or text leaves the node.
+:class:`BlockLedger` (:mod:`serving.replica.kv_ledger`) turns the events into the contract's block
+keys (:func:`serving.contract.chain_key`: a hash chain over each block's tokens and adapter, which
+the gateway computes the same way from a request's tokens), so no token or text leaves the node.
 :class:`KVEventRelay` subscribes to the engine's socket and serves, on the node's address behind
 the replica's token:
 
 - ``GET /kv/blocks``: a newline-delimited JSON stream: first the block size and every key the
   engine holds now (``{"block_size": 128, "reset": true, "add": [...]}``), then one line per event
-  batch (``{"add": [...], "del": [...]}``; ``reset`` when the engine cleared its cache). A gateway
-  that connects late (a new gateway replica) gets the whole state first, so every gateway's index
-  converges on what the engine reports.
+  batch, its net change (``{"add": [...], "del": [...]}``; ``reset`` when the engine cleared its
+  cache). A gateway that connects late (a new gateway replica) gets the whole state first, so every
+  gateway's index converges on what the engine reports. Batches the subscriber missed are asked
+  of the engine's replay socket; when they cannot all be had in order, the ledger is cleared and
+  the stream sends a ``reset`` with no key (the gateways under-report, never keep an evicted
+  block). A stream whose reader falls ``STREAM_LINES`` behind is cut off; it reconnects and starts
+  again from the whole state.
 - ``GET /kv/tokenizer``: the tokenizer files of the version (already verified against the
   manifest in the node cache), base64 in JSON, so the gateway tokenizes prompts as the engine does.
 """
@@ -32,11 +36,11 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Hashable, Iterable
 from pathlib import Path
 from typing import Any
 
-from serving.contract import BlockKey, chain_key
+from serving.contract import BlockKey
+from serving.replica.kv_ledger import BlockLedger
 
 logger = logging.getLogger("ray.serve")
 
@@ -61,6 +65,8 @@ TOKENIZER_FILES = frozenset(
 )
 REPLAY_WAIT_S = 2.0
 LINE_KEYS = 2048  # keys per line of the stream (about 40 KB)
+STREAM_LINES = 4096  # lines queued for one gateway's stream before it is cut off
+RECEIVE_HWM = 100_000  # messages zmq queues for the subscriber (vLLM's publisher: 100,000 to send)
 
 
 def kv_events_config(endpoint: str, replay: str) -> str:
@@ -77,93 +83,6 @@ def kv_events_config(endpoint: str, replay: str) -> str:
     )
 
 
-class BlockLedger:
-    """Which blocks an engine holds, as contract keys, from its KV events.
-
-    A stored block's key chains on its parent's key, so a store whose parent was never seen
-    (an event lost before this ledger started) cannot be keyed; its blocks are skipped, and the
-    gateway simply finds no match for them."""
-
-    def __init__(self) -> None:
-        self.block_size = 0
-        self._keys: dict[Hashable, BlockKey] = {}  # engine block hash -> contract key
-        self._held: dict[BlockKey, int] = {}  # key -> engine blocks with it (an adapter's and a base's differ)
-        self.unkeyed = 0  # stored blocks skipped for an unknown parent
-
-    @property
-    def held(self) -> list[BlockKey]:
-        return list(self._held)
-
-    def apply(self, events: Iterable[dict[str, Any]]) -> dict[str, Any]:
-        """Apply one batch of decoded events; returns the change as a stream line."""
-        added: list[BlockKey] = []
-        removed: list[BlockKey] = []
-        reset = False
-        for ev in events:
-            kind = ev.get("type")
-            if kind == "BlockStored":
-                added += self._stored(ev)
-            elif kind == "BlockRemoved":
-                for h in ev.get("block_hashes") or ():
-                    key = self._keys.pop(_hashable(h), None)
-                    if key is not None and self._drop(key):
-                        removed.append(key)
-            elif kind == "AllBlocksCleared":
-                self._keys.clear()
-                self._held.clear()
-                added, removed, reset = [], [], True
-        line: dict[str, Any] = {"add": added, "del": removed}
-        if reset:
-            line["reset"] = True
-        return line
-
-    def _stored(self, ev: dict[str, Any]) -> list[BlockKey]:
-        size = int(ev.get("block_size") or 0)
-        hashes = [_hashable(h) for h in ev.get("block_hashes") or ()]
-        tokens = list(ev.get("token_ids") or ())
-        if not size or len(tokens) < size * len(hashes):
-            return []
-        self.block_size = size
-        parent_hash = ev.get("parent_block_hash")
-        parent: BlockKey | None = None
-        if parent_hash is not None:
-            parent = self._keys.get(_hashable(parent_hash))
-            if parent is None:
-                self.unkeyed += len(hashes)
-                return []
-        adapter = ev.get("lora_name")
-        # a sequence's first block carries the request's cache_salt among its extra keys
-        salt = _salt((ev.get("extra_keys") or [None])[0], adapter) if parent_hash is None else None
-        added = []
-        for i, h in enumerate(hashes):
-            parent = chain_key(parent, adapter, tokens[i * size : (i + 1) * size], salt if i == 0 else None)
-            if h in self._keys:
-                continue
-            self._keys[h] = parent
-            self._held[parent] = self._held.get(parent, 0) + 1
-            if self._held[parent] == 1:
-                added.append(parent)
-        return added
-
-    def _drop(self, key: BlockKey) -> bool:
-        n = self._held.get(key, 0) - 1
-        if n > 0:
-            self._held[key] = n
-            return False
-        self._held.pop(key, None)
-        return True
-
-
-def _salt(extra: Any, adapter: str | None) -> str | None:
-    """The ``cache_salt`` among a block's extra keys as vLLM publishes them: the adapter's name
-    first (when it has one), then multimodal ``[id, offset]`` pairs, the salt, prompt-embedding
-    digests (bytes)."""
-    items = list(extra) if isinstance(extra, (list, tuple)) else []
-    if adapter and items and items[0] == adapter:
-        items = items[1:]
-    return next((k for k in items if isinstance(k, str)), None)
-
-
 def _lines(block_size: int, added: list[BlockKey], removed: list[BlockKey], reset: bool = False) -> bytes:
     """Stream lines of at most ``LINE_KEYS`` keys each (a reader buffers a line whole); ``reset``
     on the first: what follows replaces what the reader held."""
@@ -177,10 +96,6 @@ def _lines(block_size: int, added: list[BlockKey], removed: list[BlockKey], rese
     return out
 
 
-def _hashable(h: Any) -> Hashable:
-    return bytes(h) if isinstance(h, (bytes, bytearray, memoryview)) else h
-
-
 def tokenizer_files(model_dir: str | Path) -> dict[str, str]:
     """The version's tokenizer files (names in :data:`TOKENIZER_FILES`), base64."""
     out = {}
@@ -188,6 +103,27 @@ def tokenizer_files(model_dir: str | Path) -> dict[str, str]:
         if path.name in TOKENIZER_FILES and path.is_file():
             out[path.name] = base64.b64encode(path.read_bytes()).decode()
     return out
+
+
+class _Stream:
+    """One gateway's open ``/kv/blocks`` stream: the lines waiting for it, at most
+    ``STREAM_LINES``."""
+
+    __slots__ = ("queue", "transport")
+
+    def __init__(self, transport: Any) -> None:
+        self.queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=STREAM_LINES)
+        self.transport = transport
+
+    def end(self) -> None:
+        """End the stream now: what it still had queued is dropped and the connection is cut, so
+        a reader that stopped reading costs nothing more; it reconnects and starts again from the
+        whole state."""
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queue.put_nowait(b"")
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class KVEventRelay:
@@ -201,7 +137,7 @@ class KVEventRelay:
         self.endpoint = f"ipc://{self.dir}/events"
         self.replay = f"ipc://{self.dir}/replay"
         self.ledger = BlockLedger()
-        self._streams: set[asyncio.Queue[bytes]] = set()
+        self._streams: set[_Stream] = set()
         self._seq = -1
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: Any = None
@@ -228,8 +164,11 @@ class KVEventRelay:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for queue in self._streams:
-            queue.put_nowait(b"")  # ends each open stream, so the server stops at once
+        for stream in self._streams:  # ends each open stream, so the server stops at once
+            if stream.queue.full():
+                stream.end()
+            else:
+                stream.queue.put_nowait(b"")
         if self._runner is not None:
             await self._runner.cleanup()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -248,16 +187,16 @@ class KVEventRelay:
             return web.json_response({"error": {"message": "Missing or wrong replica token."}}, status=401)
         resp = web.StreamResponse(headers={"content-type": "application/x-ndjson"})
         await resp.prepare(request)
-        queue: asyncio.Queue[bytes] = asyncio.Queue()
-        self._streams.add(queue)
+        stream = _Stream(request.transport)
+        self._streams.add(stream)
         try:
             await resp.write(_lines(self.ledger.block_size, self.ledger.held, [], reset=True))
-            while data := await queue.get():  # b"": the relay stops
+            while data := await stream.queue.get():  # b"": the relay stops, or the reader fell behind
                 await resp.write(data)
-        except (ConnectionResetError, asyncio.CancelledError):
+        except (ConnectionError, asyncio.CancelledError):  # the reader went away (or was cut off)
             pass
         finally:
-            self._streams.discard(queue)
+            self._streams.discard(stream)
         return resp
 
     async def _tokenizer(self, request: Any) -> Any:
@@ -272,10 +211,23 @@ class KVEventRelay:
         if not (line["add"] or line["del"] or line.get("reset")):
             return
         data = _lines(self.ledger.block_size, line["add"], line["del"], reset=bool(line.get("reset")))
-        for queue in self._streams:
-            queue.put_nowait(data)
+        for stream in list(self._streams):
+            try:
+                stream.queue.put_nowait(data)
+            except asyncio.QueueFull:  # its reader stopped reading: cut it off rather than buffer
+                logger.warning("a KV block stream fell %d lines behind; ended (its reader reconnects)", STREAM_LINES)
+                self._streams.discard(stream)
+                stream.end()
+
+    def _lost(self, why: str) -> None:
+        """Events were lost: the ledger starts again empty, and so does every gateway's index of
+        this replica (a ``reset`` line with no key), so they under-report, never hold phantoms."""
+        logger.warning("KV events lost (%s): block ledger cleared", why)
+        self.ledger.clear()
+        self._emit({"add": [], "del": [], "reset": True})
 
     def _batch(self, seq: int, payload: bytes) -> None:
+        """Apply batch ``seq`` (one already applied is skipped); raises if it cannot be read."""
         import msgspec
 
         if seq <= self._seq:
@@ -291,40 +243,57 @@ class KVEventRelay:
 
         ctx = zmq.asyncio.Context.instance()
         sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
         sub.connect(self.endpoint)
         try:
             while True:
                 _topic, seq_bytes, payload = await sub.recv_multipart()
-                seq = int.from_bytes(seq_bytes, "big")
-                if self._seq >= 0 and seq > self._seq + 1:
-                    await self._replay_from(ctx, self._seq + 1, seq)
-                try:
-                    self._batch(seq, payload)
-                except Exception:  # noqa: BLE001 - one unreadable batch must not end the stream
-                    logger.exception("unreadable KV event batch %d", seq)
+                await self._receive(ctx, int.from_bytes(seq_bytes, "big"), payload)
         finally:
             sub.close(linger=0)
 
-    async def _replay_from(self, ctx: Any, start: int, until: int) -> None:
+    async def _receive(self, ctx: Any, seq: int, payload: bytes) -> None:
+        """A batch from the engine's publisher: the ones missed before it first (replayed, or the
+        ledger is cleared if they cannot all be had), then it."""
+        if self._seq >= 0 and seq > self._seq + 1 and not await self._replay_from(ctx, self._seq + 1, seq):
+            self._lost(f"batches {self._seq + 1}..{seq - 1} could not be replayed")
+            self._seq = seq - 1
+        try:
+            self._batch(seq, payload)
+        except Exception:  # noqa: BLE001 - one unreadable batch must not end the stream
+            logger.exception("unreadable KV event batch %d", seq)
+            self._lost(f"batch {seq} unreadable")
+
+    async def _replay_from(self, ctx: Any, start: int, until: int) -> bool:
         """Batches ``start`` .. ``until - 1`` were lost (zmq drops above its high-water mark): ask
-        the engine's replay buffer for them."""
+        the engine's replay buffer for them. True once each was applied, in order; False on a
+        hole (one the buffer no longer holds, or one zmq dropped on the way), an unreadable batch,
+        or no answer within ``REPLAY_WAIT_S``."""
         import zmq
 
         logger.warning("KV events %d..%d missed; replaying", start, until - 1)
         req = ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         req.connect(self.replay)
+        expected = start
         try:
             await req.send_multipart((b"", start.to_bytes(8, "big")))
-            while True:
+            while expected < until:
                 if not await req.poll(REPLAY_WAIT_S * 1000):
-                    logger.warning("KV event replay timed out")
-                    return
+                    logger.warning("KV event replay timed out at batch %d", expected)
+                    return False
                 _empty, _topic, seq_bytes, payload = await req.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
-                if seq < 0 or seq >= until:
-                    return
+                if seq != expected:  # -1: the buffer ended first; above: batches in between missing
+                    logger.warning("KV event replay: batch %d expected, %d came", expected, seq)
+                    return False
                 self._batch(seq, payload)
+                expected = seq + 1
+            return True
+        except Exception:  # noqa: BLE001 - an unreadable batch: the ledger is cleared instead
+            logger.exception("unreadable KV event batch %d in the replay", expected)
+            return False
         finally:
             req.close(linger=0)
 
