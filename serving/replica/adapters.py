@@ -4,15 +4,19 @@ The base deployment's Serve ``user_config`` lists the adapter versions it may se
 its own name ``name@version`` with its store path (:func:`serving.control.serve_config.adapter_sources`),
 so adding, promoting or removing an adapter reconfigures running replicas instead of restarting them.
 
-An adapter is registered on first use: Ray Serve's model multiplexing (``serve.multiplexed`` in
-:class:`serving.replica.server.ModelServer`) calls :meth:`AdapterSet.load` for a lease that names
+An adapter is registered on first use: Ray Serve's model multiplexing (``serve.multiplexed``,
+:mod:`serving.replica.adapter_slots`) calls :meth:`AdapterSet.load` for a lease that names
 an adapter this replica does not hold, keeps at most ``max_cpu_loras`` per replica and hands the
 least recently used one to :meth:`AdapterSet.retire` to make room (requests the gateways send
 straight to the engine reach that LRU through :meth:`AdapterSet.in_use`, read from the engine's
 metrics every second); it also tells Serve's router which replica holds which adapter.
-:meth:`load` fetches the version into the node cache and verifies every file against its
-manifest (:class:`serving.node_cache.VerifiedCache`, like any version), refuses a rank above
-the engine's ``--max-lora-rank``, then registers the local folder through vLLM's
+The multiplexer evicts that LRU adapter *before* it calls the load, so everything that can refuse
+an adapter runs first, taking no slot (:meth:`AdapterSet.admit`): it must be configured for this
+base and not refused lately, and the version is fetched into the node cache and every file
+verified against its manifest (:class:`serving.node_cache.VerifiedCache`, like any version); a
+rank above the engine's ``--max-lora-rank`` is refused, and so is an adapter whose manifest
+records a base manifest hash (``base.manifest_sha256``) other than the hash of the base version
+this replica serves. :meth:`load` then registers the verified local folder through vLLM's
 ``/v1/load_lora_adapter``. vLLM allows that route only with
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, which it calls unsafe for production because anyone who
 reaches the server could load weights: here the engine listens on a private port and the guard
@@ -48,10 +52,11 @@ from serving.registry import RegistryError
 
 logger = logging.getLogger("ray.serve")
 
-__all__ = ["REFUSED_S", "UNLOAD_DELAY_S", "AdapterRefused", "AdapterSet", "AdapterUnknown", "Registered"]
+__all__ = ["ADMITTED_S", "REFUSED_S", "UNLOAD_DELAY_S", "AdapterRefused", "AdapterSet", "AdapterUnknown", "Registered"]
 
 UNLOAD_DELAY_S = 2 * REFRESH_S + 1.0
 REFUSED_S = 30.0  # an adapter that failed verification is refused this long without fetching it again
+ADMITTED_S = 30.0  # a load this soon after admit() registers the folder admit() verified without verifying again
 
 
 class AdapterUnknown(RuntimeError):
@@ -86,14 +91,18 @@ class AdapterSet:
         on_change: Callable[[], None],
         tags: dict[str, str],
         cache_dir: str | None = None,
+        base_sha256: str | None = None,
     ) -> None:
         self.client, self.url, self.slots = client, url, slots
         self.on_change, self.tags, self.cache_dir = on_change, tags, cache_dir
+        # the sha256 of the served base version's manifest bytes (None: unknown, not compared)
+        self.base_sha256 = base_sha256
         self.allowed: dict[str, str] = {}  # name@version -> store path of the version
         self.pins: dict[str, str] = {}  # name@version -> sha256 its manifest must have (where pinned)
         self.registered: dict[str, str] = {}  # name@version -> verified local folder, registered now
         self._retiring: dict[str, asyncio.Task[None]] = {}
         self._refused: dict[str, tuple[str, float, str]] = {}  # name -> (store path#pin, refused until, why)
+        self._admitted: dict[str, tuple[str, float, str]] = {}  # name -> (store path#pin, verified at, folder)
         self._seen_at = 0.0  # the newest lora_requests_info stamp read (the engine's clock)
         self._metrics: Any = None
         try:
@@ -118,8 +127,40 @@ class AdapterSet:
         for name in [n for n in self.registered if n not in allowed]:
             self.retire(name)
 
-    async def load(self, name: str) -> Registered:
-        """Register ``name`` with the engine (fetched and verified first) unless it holds it."""
+    def _source(self, name: str) -> str:
+        return f"{self.allowed[name]}#{self.pins.get(name, '')}"
+
+    async def admit(self, name: str) -> None:
+        """Everything that can refuse ``name`` but vLLM itself, before a registration takes a slot:
+        Serve's multiplexer evicts its least recently used adapter before it calls :meth:`load`, so
+        a refusal there would cost a healthy adapter. Raises :class:`AdapterUnknown` (not
+        configured for this base) or :class:`AdapterRefused` (files, rank, base); the verified
+        folder is what the next :meth:`load` of ``name`` registers, without verifying it again."""
+        local = await self._admit(name)
+        if local is not None:
+            self._admitted[name] = (self._source(name), time.monotonic(), local)
+
+    async def _admit(self, name: str) -> str | None:
+        """The verified local folder of ``name`` (None: registered already), or why not."""
+        if name not in self.allowed:
+            raise AdapterUnknown(f"adapter {name!r} is not configured for this base")
+        if name in self.registered:  # held (or retiring, kept if wanted again): nothing to verify
+            return None
+        source = self._source(name)
+        refused = self._refused.get(name)
+        if refused is not None and refused[0] == source and time.monotonic() < refused[1]:
+            raise AdapterRefused(refused[2])
+        try:
+            local = await asyncio.to_thread(self._verified, name)
+        except AdapterRefused as exc:  # the same files would be refused again: not refetched for a while
+            self._refused[name] = (source, time.monotonic() + REFUSED_S, str(exc))
+            raise
+        return local
+
+    async def load(self, name: str, handle: Registered | None = None) -> Registered:
+        """Register ``name`` with the engine (admitted first, see :meth:`admit`) unless it holds it.
+        With ``handle``, the one Serve's multiplexer still caches for ``name`` (retired meanwhile by
+        a configuration change), that handle owns the registration again and is returned."""
         if name not in self.allowed:
             raise AdapterUnknown(f"adapter {name!r} is not configured for this base")
         retiring = self._retiring.pop(name, None)
@@ -127,15 +168,11 @@ class AdapterSet:
             retiring.cancel()
             self._count("loads", name)
         elif name not in self.registered:
-            source = f"{self.allowed[name]}#{self.pins.get(name, '')}"
-            refused = self._refused.get(name)
-            if refused is not None and refused[0] == source and time.monotonic() < refused[1]:
-                raise AdapterRefused(refused[2])
-            try:
-                local = await asyncio.to_thread(self._verified, name)
-            except AdapterRefused as exc:  # the same files would be refused again: not refetched for a while
-                self._refused[name] = (source, time.monotonic() + REFUSED_S, str(exc))
-                raise
+            admitted = self._admitted.pop(name, None)
+            local = admitted[2] if admitted is not None else None
+            if admitted is None or admitted[0] != self._source(name) or time.monotonic() - admitted[1] > ADMITTED_S:
+                local = await self._admit(name)  # not admitted (a direct load), or since changed
+            assert local is not None  # not registered: nothing awaited since that was checked
             body = {"lora_name": name, "lora_path": local}
             resp = await self.client.post(f"{self.url}/v1/load_lora_adapter", json=body, timeout=120)
             # vLLM still holds the name when an unregistration of it never reached the engine (timed
@@ -148,7 +185,11 @@ class AdapterSet:
             logger.info("adapter %s registered (%d held)", name, len(self.registered))
             self._count("loads", name)
         self.on_change()
-        return Registered(self, name, asyncio.get_running_loop())
+        if handle is None:
+            return Registered(self, name, asyncio.get_running_loop())
+        if handle._done:  # the multiplexer evicted it meanwhile: nothing owns the registration now
+            self.retire(name)
+        return handle
 
     def _verified(self, name: str) -> str:
         try:
@@ -161,6 +202,15 @@ class AdapterSet:
         if adapter.rank > self.slots.max_lora_rank:
             raise AdapterRefused(
                 f"{name}: rank {adapter.rank} exceeds the base's max_lora_rank {self.slots.max_lora_rank}"
+            )
+        # As the deploy checks (serving.control.bases.check_base_manifest): a base manifest hash the
+        # adapter's manifest records must be the served base's; one that records none is accepted.
+        trained = resolved.manifest.base
+        recorded = trained.manifest_sha256 if trained is not None else None
+        if trained is not None and recorded and self.base_sha256 and recorded != self.base_sha256:
+            raise AdapterRefused(
+                f"{name}: trained on {trained.ref} (manifest sha256 {recorded}), but this replica serves "
+                f"{self.tags.get('model', '?')}@{self.tags.get('version', '?')} (manifest sha256 {self.base_sha256})"
             )
         return resolved.path
 

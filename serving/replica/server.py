@@ -34,7 +34,8 @@ import httpx
 
 from serving import contract
 from serving.contract import RUNNING_REQUESTS_KEY, Endpoint, LeaseHint
-from serving.replica.adapters import AdapterSet, Registered
+from serving.replica.adapter_slots import base_manifest_sha256, multiplexed, register
+from serving.replica.adapters import AdapterSet
 from serving.replica.engine import EngineSpec, engine_environ, single_process, verified_spec, vllm_command
 from serving.replica.engine_main import guarded
 from serving.replica.engine_output import EngineOutput
@@ -121,8 +122,11 @@ class ModelServer:
         self._adapter: Any = None  # Serve's multiplexed loader of adapters (LRU per replica)
         if self.spec.lora is not None:
             tags = {"model": self.spec.model, "version": self.spec.version, "replica": self.replica}
-            self.adapters = AdapterSet(self._client, self.endpoint.url, self.spec.lora, self._published_soon, tags)
-            self._adapter = _multiplexed(self.adapters, self.spec.lora.max_cpu_loras)
+            base = base_manifest_sha256(self.spec)  # an adapter trained on other weights is refused
+            self.adapters = AdapterSet(
+                self._client, self.endpoint.url, self.spec.lora, self._published_soon, tags, base_sha256=base
+            )
+            self._adapter = multiplexed(self.adapters, self.spec.lora.max_cpu_loras)
         if self.app is not None:
             try:
                 self._kv = contract.RayKV()
@@ -322,10 +326,7 @@ class ModelServer:
         """The adapter registered with the engine before the request is sent here."""
         if self.adapters is None:
             raise RuntimeError(f"{self.spec.model}@{self.spec.version} serves no adapters (no LoRA slots)")
-        self.adapters.leased(name, self.adapters.holds(name))
-        await self._adapter(name)
-        if not self.adapters.holds(name):  # retired by a config change while Serve still cached it
-            await self.adapters.load(name)
+        await register(self.adapters, self._adapter, name)  # admitted before Serve evicts any for it
 
     async def ready(self) -> bool:
         return self.proc.poll() is None
@@ -378,17 +379,6 @@ class ModelServer:
         self._stop()
         if (relay := getattr(self, "relay", None)) is not None:
             await relay.stop()
-
-
-def _multiplexed(adapters: AdapterSet, per_replica: int) -> Any:
-    """Ray Serve's multiplexed loader over ``adapters``: at most ``per_replica`` held, the least
-    recently used evicted (``Registered.__del__``), and the held ids reported to Serve's router."""
-    from ray import serve
-
-    async def register(name: str) -> Registered:
-        return await adapters.load(name)
-
-    return serve.multiplexed(max_num_models_per_replica=per_replica)(register)
 
 
 def build_model_server(args: dict[str, Any]) -> Any:
