@@ -36,8 +36,12 @@ class GatewayMetrics:
         from ray.util import metrics as m
 
         keys = REQ_KEYS
+        # a stream the engine ended with an error event counts by that error's status (its code:
+        # 5xx from 500, else 4xx), though its client got a 200 (serving.gateway.exchange)
         self.requests = m.Counter(
-            "raystack_requests", "Requests answered by the gateway.", tag_keys=(*keys, "status_class")
+            "raystack_requests",
+            "Requests answered by the gateway (a stream by the engine's error event, if it sent one).",
+            tag_keys=(*keys, "status_class"),
         )
         self.ttft = m.Histogram(
             "raystack_time_to_first_token_seconds",
@@ -47,12 +51,16 @@ class GatewayMetrics:
         )
         self.itl = m.Histogram(
             "raystack_inter_token_latency_seconds",
-            "Mean time between output tokens of a streamed response.",
+            "Mean time between output tokens of a streamed response, per choice (n > 1 or several "
+            "prompts are generated in parallel).",
             boundaries=ITL_BUCKETS,
             tag_keys=keys,
         )
         self.e2e = m.Histogram(
-            "raystack_request_latency_seconds", "End-to-end request latency.", boundaries=E2E_BUCKETS, tag_keys=keys
+            "raystack_request_latency_seconds",
+            "End-to-end request latency, from request arrival.",
+            boundaries=E2E_BUCKETS,
+            tag_keys=keys,
         )
         self.prompt_tokens = m.Counter("raystack_prompt_tokens", "Prompt tokens processed.", tag_keys=keys)
         self.completion_tokens = m.Counter("raystack_completion_tokens", "Completion tokens generated.", tag_keys=keys)
@@ -61,6 +69,14 @@ class GatewayMetrics:
         )
         self.rate_limited = m.Counter(
             "raystack_rate_limited", "Requests refused by a tenant limit.", tag_keys=("tenant", "limit")
+        )
+        # answered with an error before an exchange counted them (401, 404, 400/413, a fail-closed
+        # quota's 503, an unexpected 500): ``reason`` is the error's fixed code (else its type),
+        # ``tenant`` "-" before authentication; 429s and shed requests are counted above and below
+        self.refused = m.Counter(
+            "raystack_refused_requests",
+            "Requests the gateway refused before forwarding them (not rate-limited or shed ones).",
+            tag_keys=("tenant", "status_class", "reason"),
         )
         self.shed = m.Counter(
             "raystack_shed",

@@ -33,7 +33,7 @@ import msgspec
 
 from serving.errors import ErrorShape, InvalidRequest
 from serving.gateway.admission.reserve import chat_bound, reservation
-from serving.gateway.answers import whole_events
+from serving.gateway.answers import first_error, whole_events
 from serving.gateway.protocol import decode_body, type_name
 
 __all__ = ["AgentKind", "AgentRequest", "EventTap", "parse_agent_request"]
@@ -52,6 +52,9 @@ _FINAL_USAGE = {
 # the events whose usage counts the input only, before any output (module docstring)
 _INPUT_USAGE = {"messages": (b"message_start",)}
 _SEQUENCE = b'"sequence_number":'
+# an error event (Responses: ``{"type": "error", "code": ...}``; Messages: ``{"type": "error",
+# "error": {"type": ...}}``): a data line ends in ``}``, so these bytes only begin an event
+_ERROR_EVENT = b"event: error\n"
 
 
 class EventTap:
@@ -60,9 +63,11 @@ class EventTap:
     events that carry it (:data:`_FINAL_USAGE`, :data:`_INPUT_USAGE`) and, for Responses, the
     final response object. Messages streams report input tokens in ``message_start`` and the
     totals in ``message_delta``; the latest value of each field wins. :attr:`counts_output` is
-    False until a final usage event came: :attr:`usage` then holds the input tokens only."""
+    False until a final usage event came: :attr:`usage` then holds the input tokens only.
+    :attr:`error`: the status the first ``error`` event of the engine stands for
+    (:func:`serving.gateway.answers.error_status`); the event reaches the client unchanged."""
 
-    __slots__ = ("_buf", "_final", "_names", "counts_output", "kind", "response", "sequence", "usage")
+    __slots__ = ("_buf", "_final", "_names", "counts_output", "error", "kind", "response", "sequence", "usage")
 
     def __init__(self, kind: str) -> None:
         self.kind, self._buf = kind, b""
@@ -72,6 +77,7 @@ class EventTap:
         self.counts_output = False
         self.response: dict[str, Any] | None = None  # the Responses stream's final response object
         self.sequence = -1  # the last ``sequence_number`` a Responses event carried
+        self.error: int | None = None
 
     def feed(self, chunk: bytes) -> bytes:
         out, self._buf = whole_events(self._buf, chunk)
@@ -82,6 +88,8 @@ class EventTap:
             if at >= 0:
                 digits = re.match(rb"\s*(\d+)", out[at + len(_SEQUENCE) :])
                 self.sequence = int(digits.group(1)) if digits else self.sequence
+        if self.error is None and _ERROR_EVENT in out:
+            self.error = first_error(out, _ERROR_EVENT)
         if b'"usage"' in out:
             for ev in out.split(b"\n\n"):
                 self._read(ev)

@@ -2,7 +2,8 @@
 torch.
 
 A streamed answer is passed on whole SSE events at a time (:func:`whole_events`), through a tap
-that reads the usage it carries and cuts out what the client did not ask for (:class:`StreamTap`);
+that reads the usage it carries, notes an error event of the engine (:func:`error_status`) and
+cuts out what the client did not ask for (:class:`StreamTap`);
 a whole answer's usage is read once (:func:`usage_of`); an engine's error body is rewritten to the
 route's error shape (:func:`normalize_upstream_error`).
 """
@@ -15,17 +16,22 @@ import msgspec
 
 from serving.errors import ErrorShape, anthropic_error_body, error_body
 
-__all__ = ["StreamTap", "Tap", "normalize_upstream_error", "usage_of", "whole_events"]
+__all__ = ["StreamTap", "Tap", "error_status", "first_error", "normalize_upstream_error", "usage_of", "whole_events"]
 
 
 class Tap(Protocol):
     """Event-aligned pass-through of a streamed answer that reads the usage it carries.
 
     ``counts_output``: whether :attr:`usage` counts the output so far (a final or running usage);
-    False while it holds only what the stream reported before its output (the input tokens)."""
+    False while it holds only what the stream reported before its output (the input tokens).
+    ``error``: the HTTP status the stream's first error event of the engine stands for
+    (:func:`error_status`), None while none came: the request is counted by it, not as a 200."""
 
     @property
     def usage(self) -> dict[str, Any] | None: ...
+
+    @property
+    def error(self) -> int | None: ...
 
     @property
     def counts_output(self) -> bool: ...
@@ -37,6 +43,51 @@ class Tap(Protocol):
 
 _USAGE = b'"usage":{'
 _INDEX = b'"index":'
+# an engine's error event in an OpenAI stream (vLLM: ``data: {"error": {..., "code": 500}}``): a
+# JSON string escapes its quotes, so these bytes start an event's data, never a token's text
+ERROR_DATA = b'data: {"error"'
+# the error types of a client's mistake (OpenAI's, Anthropic's, vLLM's), for an error event that
+# carries no numeric code; any other counts as the server's (5xx)
+_CLIENT_ERRORS = frozenset(
+    {
+        "invalid_request_error",
+        "authentication_error",
+        "permission_error",
+        "not_found_error",
+        "request_too_large",
+        "rate_limit_error",
+        "rate_limit_exceeded",
+        "BadRequestError",
+        "NotFoundError",
+    }
+)
+
+
+def error_status(ev: bytes) -> int:
+    """The HTTP status an engine's error event stands for: its numeric ``code`` (an OpenAI-format
+    error's, as vLLM sends it), 400 to 599 (a code below counts as 400, above as 500); without
+    one, 400 for a client's mistake by its type or code (:data:`_CLIENT_ERRORS`), else 500.
+    Parsed only when an error event came: the taps look for its bytes alone."""
+    try:
+        payload = msgspec.json.decode(ev.partition(b"data: ")[2])
+    except msgspec.DecodeError:
+        return 500
+    err = payload.get("error") if isinstance(payload, dict) else None
+    err = err if isinstance(err, dict) else payload if isinstance(payload, dict) else {}
+    code = err.get("code")
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    if isinstance(code, int) and not isinstance(code, bool):
+        return code if 400 <= code <= 599 else 400 if code < 400 else 500
+    kinds = (code, err.get("type"))
+    return 400 if any(isinstance(k, str) and k in _CLIENT_ERRORS for k in kinds) else 500
+
+
+def first_error(out: bytes, marker: bytes) -> int:
+    """:func:`error_status` of the first event of ``out`` (whole events) that ``marker`` opens."""
+    at = out.find(marker)
+    end = out.find(b"\n\n", at)
+    return error_status(out[at : end if end >= 0 else len(out)])
 
 
 def _object_end(ev: bytes, start: int) -> int:
@@ -59,7 +110,7 @@ class StreamTap:
     the chunks' usage. Bytes are released at event boundaries (``\n\n``) only.
     """
 
-    __slots__ = ("_buf", "_choices", "final", "keep_chunk_usage", "strip_usage")
+    __slots__ = ("_buf", "_choices", "error", "final", "keep_chunk_usage", "strip_usage")
     counts_output = True  # a chunk's usage is cumulative, its completion tokens included
 
     def __init__(self, strip_usage: bool, keep_chunk_usage: bool = False) -> None:
@@ -68,6 +119,7 @@ class StreamTap:
         self.keep_chunk_usage = keep_chunk_usage and not strip_usage
         self.final: dict[str, Any] | None = None
         self._choices: dict[int, tuple[int, int]] = {}  # choice index -> (prompt, completion) tokens
+        self.error: int | None = None  # the status of the engine's first error event (Tap)
 
     @property
     def usage(self) -> dict[str, Any] | None:
@@ -82,6 +134,8 @@ class StreamTap:
         out, self._buf = whole_events(self._buf, chunk)
         if not out:
             return b""
+        if self.error is None and ERROR_DATA in out:  # passed on unchanged, as the engine sent it
+            self.error = first_error(out, ERROR_DATA)
         return self._take_usage(out) if _USAGE in out else out
 
     def flush(self) -> bytes:

@@ -15,10 +15,10 @@ from typing import Any
 
 from serving.config import AuthConfig, GatewayConfig
 from serving.contract import LeaseHint
-from serving.errors import InvalidRequest, NotFound, RateLimited, UpstreamError, sse_error_event, unavailable
+from serving.errors import InvalidRequest, NotFound, RateLimited, unavailable
 from serving.gateway.admission.auth import Authenticator, Tenant, check_admin_keys, tenant_cache_salt
 from serving.gateway.admission.quota import QuotaClient
-from serving.gateway.answers import usage_of
+from serving.gateway.exchange import Exchange, count_refused, counted
 from serving.gateway.kv_index import KVFeeds
 from serving.gateway.migration import Plan, blocker
 from serving.gateway.protocol import Forwardable, ParsedRequest
@@ -35,115 +35,6 @@ __all__ = ["NO_PROMPT", "Exchange", "GatewayCore"]
 TOKENIZER_KINDS = frozenset({"tokenize", "detokenize"})
 KV_INLINE_BYTES = 32_768  # router kv_aware: a larger body is tokenized off the event loop
 NO_PROMPT = "\x00"  # the prefix-affinity hint of a request with no leading text
-
-
-class Exchange:
-    """One request's bookkeeping: usage, timings, quota use and metrics, finished exactly once.
-
-    It holds the request's place in ``in_flight`` (the gateway's per-model count, which shedding
-    reads) from its creation to :meth:`finish`, and is given what it reports to: the quota client
-    and the metrics (None in unit use)."""
-
-    def __init__(
-        self,
-        parsed: Forwardable,
-        resolved: Resolved,
-        tenant: Tenant,
-        *,
-        in_flight: Counter[str],
-        quota: QuotaClient,
-        metrics: Any = None,
-        ticket: int = 0,
-        reserved: tuple[int, int] = (0, 0),
-    ) -> None:
-        self.parsed, self.tenant = parsed, tenant
-        self.in_flight, self.quota, self.metrics = in_flight, quota, metrics
-        self.ticket, self.reserved = ticket, reserved  # the TPM reservation (prompt, completion), settled in finish
-        self.model, self.version = resolved.model.name, resolved.version.version
-        self.pinned = resolved.pinned
-        self.started = time.monotonic()
-        self.first_at: float | None = None
-        self.last_at = self.started
-        self.tap = parsed.tap()
-        self.usage: dict[str, Any] | None = None
-        self.counted: dict[str, Any] | None = None  # the tokens a splice counted (:meth:`count`)
-        self._done = False
-        self.engine_asked = False  # a replica was leased for it (set by the request's leaser)
-        self.in_flight[self.model] += 1
-
-    def feed(self, chunk: bytes) -> bytes:
-        now = time.monotonic()
-        if self.first_at is None:
-            self.first_at = now
-        self.last_at = now
-        return self.tap.feed(chunk) if self.tap else chunk
-
-    held_error = False  # error events pass through to the client as the engine sent them
-
-    def count(self, prompt: int, completion: int) -> None:
-        """The stream's tokens as the splice counted them from their ids: what is billed when no
-        usage event came (the engine is not asked for usage on every chunk of such a stream)."""
-        self.counted = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def flush(self) -> bytes:
-        return self.tap.flush() if self.tap else b""
-
-    def failed(self, request_id: str) -> bytes:
-        """The error event that ends a broken stream. The bytes after the last whole event are
-        dropped: they are part of an event the engine never finished, which would garble this one."""
-        self.flush()
-        return sse_error_event(
-            UpstreamError("The model replica failed while streaming; the response is incomplete."),
-            request_id,
-            self.parsed.error_shape,
-            getattr(self.tap, "sequence", -1) + 1,
-        )
-
-    def retried(self) -> None:
-        m = self.metrics
-        if m:
-            m.retries.inc(tags={"model": self.model, "version": self.version})
-
-    def finish(self, status: int, body: bytes | None = None) -> None:
-        if self._done:
-            return
-        self._done = True
-        self.in_flight[self.model] -= 1
-        usage = self.tap.usage if self.tap else (usage_of(body) if body and status == 200 else None)
-        self.usage = usage if usage is not None else self.counted
-        prompt, completion = self.parsed.tokens(self.usage) if self.usage is not None else (0, 0)
-        tokens = prompt + completion
-        # no usage, or a stream's usage of its input only (a Messages stream's message_start)
-        output_unknown = self.usage is None or (
-            usage is not None and self.tap is not None and not self.tap.counts_output
-        )
-        if output_unknown and status == 499 and self.engine_asked:
-            # a client that left before its output was counted, once an engine may have run: bill
-            # the input known so far and the output's reservation, within the whole reservation
-            # (all of it if no input is known), so the reservation bounds what it is billed
-            whole = sum(self.reserved)
-            tokens = whole if self.usage is None else max(tokens, min(tokens + self.reserved[1], whole))
-        if self.tenant.tpm is not None or self.ticket:
-            self.quota.record(self.tenant.name, tokens if self.tenant.tpm is not None else 0, self.ticket)
-        m = self.metrics
-        if m is None:
-            return
-        tags = m.tags(self.model, self.version, self.tenant.name, self.pinned)
-        m.requests.inc(tags={**tags, "status_class": f"{status // 100}xx"})
-        m.api_requests.inc(tags={"api": self.parsed.kind, **tags, "status_class": f"{status // 100}xx"})
-        m.e2e.observe(time.monotonic() - self.started, tags=tags)
-        m.in_flight.set(self.in_flight[self.model], tags={"model": self.model, "kind": "all"})
-        if self.usage:
-            # Ray's Counter.inc refuses 0 (an embedding has no completion tokens)
-            if prompt > 0:
-                m.prompt_tokens.inc(prompt, tags=tags)
-            if completion > 0:
-                m.completion_tokens.inc(completion, tags=tags)
-        if self.tap and self.first_at is not None and status == 200:
-            m.ttft.observe(self.first_at - self.started, tags=tags)
-            n = completion
-            if n > 1:
-                m.itl.observe((self.last_at - self.first_at) / (n - 1), tags=tags)
 
 
 class GatewayCore:
@@ -244,7 +135,14 @@ class GatewayCore:
         if limit and tenant.priority < 5 and self.in_flight[model] >= limit:
             if self.metrics:
                 self.metrics.shed.inc(tags={"model": model, "tenant": tenant.name})
-            raise unavailable(f"Model '{model}' is busy; low-priority requests are shed. Retry shortly.")
+            exc = unavailable(f"Model '{model}' is busy; low-priority requests are shed. Retry shortly.")
+            counted(exc)  # in raystack_shed, not as refused
+            raise exc
+
+    def refused(self, exc: BaseException, tenant: Tenant | None) -> None:
+        """Count a request answered with ``exc`` before an exchange counted it
+        (:func:`serving.gateway.exchange.count_refused`)."""
+        count_refused(self.metrics, exc, tenant)
 
     async def complete(
         self,
@@ -254,8 +152,12 @@ class GatewayCore:
         path: str,
         request_id: str,
         session_id: str | None = None,
+        arrived: float | None = None,
     ) -> tuple[UpstreamResult, dict[str, str]]:
-        """Admit (shedding, then quota), forward with failover; returns the result and extra headers."""
+        """Admit (shedding, then quota), forward with failover; returns the result and extra headers.
+        ``arrived``: when the route got the request (``time.monotonic()``), where TTFT and latency
+        start. An exception raised once a metric counted the request is marked
+        (:func:`serving.gateway.exchange.counted`); any other is the route's to count as refused."""
         self.check_runner(parsed, resolved, path)
         parsed = self._salted(parsed, tenant)
         if parsed.n > self.settings.max_n:
@@ -271,6 +173,7 @@ class GatewayCore:
         except RateLimited as exc:
             if self.metrics:
                 self.metrics.rate_limited.inc(tags={"tenant": tenant.name, "limit": str(exc.code)})
+            counted(exc)
             raise
         exchange: Exchange | None = None
         try:  # whatever fails from here on settles the ticket, and the exchange once there is one
@@ -293,6 +196,7 @@ class GatewayCore:
                 metrics=self.metrics,
                 ticket=ticket,
                 reserved=reserve,
+                arrived=arrived,
             )
 
             async def leaser() -> Lease:
@@ -324,6 +228,7 @@ class GatewayCore:
                 self.quota.record(tenant.name, 0, ticket)
             else:
                 exchange.finish(499 if isinstance(exc, asyncio.CancelledError) else getattr(exc, "status", 500))
+                counted(exc)
             raise
         if splice is not None and result.stream is not None:
             result = spliced(result, splice)

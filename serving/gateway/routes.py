@@ -186,7 +186,9 @@ class Generate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         core = self.core
         rid = _valid_request_id(_header(scope, b"x-request-id") or "")
-        started = time.monotonic()
+        started = time.monotonic()  # the request's arrival: its TTFT and latency start here
+        tenant: Tenant | None = None
+        done = None
         try:
             tenant = core.auth.authenticate(_header(scope, b"authorization"), _header(scope, b"x-api-key"))
             raw = await _read_body(scope, receive, core.settings.max_body_bytes)
@@ -197,9 +199,9 @@ class Generate:
             state = None
             if self.flow is not None:
                 parsed, state = await self.flow.prepare(parsed, tenant)
+            session = _header(scope, b"x-session-id")
             done = await _unless_client_leaves(
-                core.complete(parsed, resolved, tenant, self.path, rid, session_id=_header(scope, b"x-session-id")),
-                receive,
+                core.complete(parsed, resolved, tenant, self.path, rid, session_id=session, arrived=started), receive
             )
             if done is None:
                 logger.info("[%s] the client left before the answer; the request was cancelled", rid)
@@ -208,9 +210,13 @@ class Generate:
             if self.flow is not None:
                 result = await self.flow.finish(result, state, tenant)
         except GatewayError as exc:
+            if done is None:  # refused before its exchange counted it (core.complete marks those it did)
+                core.refused(exc, tenant)
             return await self._error(exc, rid)(scope, receive, send)
         except Exception as exc:  # never a stack trace to the client
             logger.exception("[%s] unexpected error", rid)
+            if done is None:
+                core.refused(exc, tenant)
             return await self._error(exc, rid)(scope, receive, send)
         headers = {**extra, "x-model-version": resolved.version.version}
         if self.rid_header:
