@@ -24,6 +24,9 @@ def test_a_failed_engine_start_ends_with_vllms_own_reason(tmp_path: Path, monkey
     engine = EngineConfig(max_model_len=256, dtype="float32", extra_args={"max-num-batched-tokens": "lots"})
     spec = EngineSpec(model="m", version="v9", path=str(tmp_path), engine=engine, startup_timeout_s=120)
     monkeypatch.setattr(server, "verified_spec", lambda s: s)  # no weights needed: vLLM stops at its arguments
+    # no claim in the node's core ledger: it is held by the claiming pid, this test session, and
+    # later engines of the session (tests/e2e/test_bench.py) would find a core taken
+    monkeypatch.setattr(server, "engine_cores", lambda s: None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # Serve awaits __del__; here nobody does
         with pytest.raises(RuntimeError) as failed:
