@@ -29,6 +29,8 @@ def node_ip() -> str:
     try:
         import ray
 
+        if not ray.is_initialized():  # ray.nodes() would start a local Ray instance of its own
+            return "127.0.0.1"
         node_id = ray.get_runtime_context().get_node_id()
         for node in ray.nodes():
             if node.get("NodeID") == node_id:

@@ -79,3 +79,11 @@ def test_a_kept_line_is_cut_and_a_silent_engine_is_named() -> None:
     quiet = EngineOutput(silent.stdout, io.StringIO())
     silent.wait(30)
     assert quiet.reason("vLLM exited") == "vLLM exited (it wrote nothing)"
+
+
+def test_a_replica_built_outside_ray_starts_no_ray_of_its_own() -> None:
+    """``node_ip`` outside Ray is loopback; asking Ray for its nodes there would start a local Ray
+    instance (its dashboard on 8265, its agent on 52365) that lives as long as the process."""
+    probe = "from serving.replica.node import node_ip; import ray; print(node_ip(), ray.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["127.0.0.1", "False"], out.stdout + out.stderr
