@@ -5,28 +5,19 @@ requests within a limit, and shedding, which comes before the quota and so costs
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import pytest
 from aiohttp import web
 
 from loadtests.relay import OneReplica
-from serving.config import GatewayConfig, parse_config
-from serving.control.serve_config import routing_user_config
 from serving.gateway.admission.auth import hash_key
-from serving.gateway.admission.quota import QuotaActor, QuotaClient
 from serving.gateway.admission.reserve import SPECIAL_TOKENS, TEMPLATE_TOKENS, reservation
 from serving.gateway.agent_protocol import parse_agent_request
-from serving.gateway.api import create_api
-from serving.gateway.core import GatewayCore
 from serving.gateway.protocol import parse_request
-from tests.support.actors import LocalActor
-from tests.support.kv import MemoryKV
+from tests.support.gateway import quota_gateway
 from tests.support.loopback import http_replica
 
 KEY = "sk-t"
@@ -109,20 +100,6 @@ STACK: dict[str, Any] = {
 }
 
 
-@contextlib.asynccontextmanager
-async def _gateway(url: str, stack: dict[str, Any]) -> AsyncIterator[tuple[httpx.AsyncClient, GatewayCore, QuotaActor]]:
-    actor = QuotaActor(MemoryKV(), checkpoint_s=0)
-    core = GatewayCore(GatewayConfig(), OneReplica(url))
-    core.quota = QuotaClient(60, LocalActor(actor))  # kept by reconfigure
-    core.reconfigure(routing_user_config(parse_config(stack)))
-    transport = httpx.ASGITransport(app=create_api(core))
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=20) as c:
-            yield c, core, actor
-    finally:
-        await core.aclose()
-
-
 async def test_concurrent_long_prompts_cannot_overshoot_tpm_by_more_than_one_reservation() -> None:
     """TPM 1000: ten concurrent chats, each a 900-token prompt with max_tokens 10. Reserving
     completions only let all ten in (9100 tokens); the prompt's share admits one, which is billed
@@ -137,7 +114,10 @@ async def test_concurrent_long_prompts_cannot_overshoot_tpm_by_more_than_one_res
 
     body = {"model": "m", "messages": [{"role": "user", "content": "x " * 900}], "max_tokens": 10}
     reserved = sum(parse_request(json.dumps(body).encode(), "chat").reserve_tokens(2048))
-    async with http_replica(handler, path="/v1/chat/completions") as url, _gateway(url, STACK) as (c, _, actor):
+    async with (
+        http_replica(handler, path="/v1/chat/completions") as url,
+        quota_gateway(OneReplica(url), STACK) as (c, _, actor),
+    ):
         rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=body, headers=AUTH) for _ in range(10)))
         assert [r.status_code for r in rs].count(200) == 1 and {r.status_code for r in rs} == {200, 429}
         refused = next(r for r in rs if r.status_code == 429)
@@ -158,7 +138,7 @@ async def test_a_shed_request_costs_no_rpm() -> None:
         return web.json_response({"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "2"}]})
 
     body = {"model": "m", "prompt": "1+1=", "max_tokens": 4}
-    async with http_replica(handler) as url, _gateway(url, stack) as (c, core, actor):
+    async with http_replica(handler) as url, quota_gateway(OneReplica(url), stack) as (c, core, actor):
         core.in_flight["m"] = core.routes.models["m"].shed_low_priority_at  # busy with other tenants' requests
         shed = [await c.post("/v1/completions", json=body, headers=AUTH) for _ in range(3)]
         for r in shed:

@@ -8,27 +8,20 @@ a 500."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import pytest
 from aiohttp import web
 
 from loadtests.relay import OneReplica
-from serving.config import GatewayConfig, parse_config
-from serving.control.serve_config import routing_user_config
 from serving.gateway.admission.auth import hash_key
-from serving.gateway.admission.quota import QuotaActor, QuotaClient
+from serving.gateway.admission.quota import QuotaActor
 from serving.gateway.api import create_api
-from serving.gateway.conversations import ResponseStoreActor
 from serving.gateway.core import GatewayCore
 from serving.gateway.protocol import parse_request
-from tests.support.actors import LocalActor
-from tests.support.kv import MemoryKV
+from tests.support.gateway import quota_gateway
 from tests.support.loopback import http_replica
 
 KEY = "sk-t"
@@ -51,21 +44,8 @@ class _Never(OneReplica):
         await asyncio.Event().wait()
 
 
-@contextlib.asynccontextmanager
-async def _gateway(
-    leases: OneReplica, **settings: Any
-) -> AsyncIterator[tuple[httpx.AsyncClient, GatewayCore, QuotaActor]]:
-    actor = QuotaActor(MemoryKV(), checkpoint_s=0)
-    responses = LocalActor(ResponseStoreActor(MemoryKV(), 0))
-    core = GatewayCore(GatewayConfig(**settings), leases, response_store_actor=responses)
-    core.quota = QuotaClient(60, LocalActor(actor))  # kept by reconfigure
-    core.reconfigure(routing_user_config(parse_config(STACK)))
-    transport = httpx.ASGITransport(app=create_api(core))
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=20) as c:
-            yield c, core, actor
-    finally:
-        await core.aclose()
+def _gateway(leases: OneReplica, **settings: Any) -> Any:
+    return quota_gateway(leases, STACK, **settings)
 
 
 def _settled(core: GatewayCore, actor: QuotaActor) -> None:
