@@ -150,17 +150,7 @@ def _submit_training(stack: Stack, store: Path) -> str:
         f"--data {data / 'train.jsonl'} --eval {data / 'eval.jsonl'} --method full --steps {FINETUNE_STEPS}"
     )
     env = {"PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT))}
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env})
-        except RuntimeError as exc:
-            # Ray's job API answers 500 "No available agent to submit job, please try again later"
-            # until the head's dashboard agent has registered, which on a busy 2-core machine can
-            # come after the stack's apps are RUNNING: what Ray asks a client to do is retry
-            if "No available agent" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(2)
+    return client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env})
 
 
 def _kill_controller_replica() -> int:
